@@ -1,0 +1,32 @@
+// A progress bar with ETA on stderr for the command-line tools. On a terminal
+// it redraws one line; otherwise it prints a line at most every few seconds.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <string>
+
+namespace kvscope::cli {
+
+class ProgressBar {
+ public:
+  ProgressBar(std::string label, std::size_t total, bool enabled = true);
+  ~ProgressBar();
+  void update(std::size_t done);
+  void finish();  // completes the line (called by the destructor)
+
+ private:
+  std::string label_;
+  std::size_t total_;
+  bool enabled_, tty_, finished_ = false;
+  std::chrono::steady_clock::time_point start_, last_draw_;
+  std::size_t last_done_ = 0;
+  void draw(std::size_t done, bool final);
+};
+
+// "12.3 MiB", "1.50 GiB" (binary units).
+std::string format_bytes(double bytes);
+// "1m05s", "3.2s".
+std::string format_seconds(double s);
+
+}  // namespace kvscope::cli

@@ -1,0 +1,174 @@
+// kvcap: the capture-side command line. Subcommands: synth, validate.
+#include <boost/program_options.hpp>
+
+#include <cstdio>
+#include <iostream>
+#include <string>
+
+#include "kvscope/cli/progress.hpp"
+#include "kvscope/synth/synth.hpp"
+#include "kvscope/trace/validate.hpp"
+
+namespace po = boost::program_options;
+using namespace kvscope;
+
+namespace {
+
+constexpr int kExitOk = 0;
+constexpr int kExitError = 2;
+
+void print_usage(std::ostream& os) {
+  os << "kvcap - capture and check kvscope traces (trace format v1)\n\n"
+        "Usage: kvcap <command> [options]\n\n"
+        "Commands:\n"
+        "  synth      write a deterministic synthetic trace with the geometry of a known model\n"
+        "  validate   check that a file is a valid, complete kvscope trace (exit 0 valid, 2 not)\n\n"
+        "Run 'kvcap <command> --help' for the options of a command.\n"
+        "Trace format: docs/trace-format.md. Synthetic structure: docs/synthetic-traces.md.\n";
+}
+
+int fail(const std::string& cmd, const std::string& msg) {
+  std::cerr << "kvcap " << cmd << ": " << msg << "\n";
+  return kExitError;
+}
+
+trace::DType parse_dtype(const std::string& s) {
+  if (s == "float16" || s == "fp16") return trace::DType::kF16;
+  if (s == "bfloat16" || s == "bf16") return trace::DType::kBF16;
+  if (s == "float32" || s == "fp32") return trace::DType::kF32;
+  throw std::invalid_argument("--dtype '" + s + "' is not one of float16, bfloat16, float32");
+}
+
+int cmd_synth(const std::vector<std::string>& args) {
+  std::string presets;
+  for (const auto& p : synth::synth_presets()) presets += "                          " + p.name + ": " + p.description + "\n";
+  po::options_description opts(
+      "kvcap synth --preset NAME [options] -o FILE\n\n"
+      "Writes a synthetic trace (root attribute synthetic = 1), deterministic for a seed, with\n"
+      "attention sinks, recency, spatially smooth vision keys, alignment text queries, heads\n"
+      "specialised on vision or text, and shallow layers more redundant than deep ones.\n"
+      "Token layout: <s>, system text, each image (+ one separator token), audio clip (+ separator),\n"
+      "question text. Decode steps are the evaluation queries.\n\nOptions");
+  opts.add_options()("help,h", "show this help")(
+      "preset", po::value<std::string>()->required(), ("model geometry preset:\n" + presets).c_str())(
+      "images", po::value<int>(), "number of images (default: preset's, 1)")(
+      "image-tokens", po::value<int>(), "tokens per image, laid out as a near-square patch grid (default: preset's)")(
+      "text", po::value<int>(), "text tokens (default: preset's)")(
+      "audio", po::value<int>()->default_value(0), "audio tokens in one clip (0 = none)")(
+      "decode", po::value<int>(), "decode steps recorded as evaluation queries (default: preset's)")(
+      "seed", po::value<unsigned long long>()->default_value(0), "random seed (same seed, same file contents)")(
+      "dtype", po::value<std::string>()->default_value("float16"), "tensor dtype: float16, bfloat16, float32")(
+      "deflate", po::value<int>()->default_value(0), "gzip level 0..9 for tensors (0 = uncompressed, fastest)")(
+      "output,o", po::value<std::string>()->required(), "output trace file (.h5)")(
+      "quiet,q", "no progress bar");
+  po::variables_map vm;
+  try {
+    po::store(po::command_line_parser(args).options(opts).run(), vm);
+    if (vm.count("help")) {
+      std::cout << opts << "\nExample:\n  kvcap synth --preset llava-1.5-7b --images 1 --text 64 --decode 16 -o t.h5\n";
+      return kExitOk;
+    }
+    po::notify(vm);
+  } catch (const po::error& e) {
+    return fail("synth", std::string(e.what()) + " (see kvcap synth --help)");
+  }
+  try {
+    synth::SynthOptions o;
+    o.preset = vm["preset"].as<std::string>();
+    for (const char* name : {"images", "image-tokens", "text", "decode", "audio"}) {
+      if (vm.count(name) && vm[name].as<int>() < 0) {
+        throw std::invalid_argument(std::string("--") + name + " must not be negative");
+      }
+    }
+    if (vm.count("images")) o.images = vm["images"].as<int>();
+    if (vm.count("image-tokens")) o.image_tokens = vm["image-tokens"].as<int>();
+    if (vm.count("text")) o.text = vm["text"].as<int>();
+    if (vm.count("decode")) o.decode = vm["decode"].as<int>();
+    o.audio = vm["audio"].as<int>();
+    o.seed = vm["seed"].as<unsigned long long>();
+    o.dtype = parse_dtype(vm["dtype"].as<std::string>());
+    o.deflate = vm["deflate"].as<int>();
+    const std::string out = vm["output"].as<std::string>();
+    synth::SynthGenerator probe(o);  // validates options before touching the output file
+    const int layers = probe.header().geometry.num_layers;
+    cli::ProgressBar bar("kvcap synth", static_cast<std::size_t>(layers), !vm.count("quiet"));
+    const std::string tmp = out + ".partial";
+    synth::write_synthetic_trace(o, tmp, [&](int done, int) { bar.update(static_cast<std::size_t>(done)); });
+    bar.finish();
+    if (std::rename(tmp.c_str(), out.c_str()) != 0) return fail("synth", out + ": cannot move finished trace into place");
+    std::cout << "wrote " << out << ": " << probe.header().geometry.model_name << " (synthetic), "
+              << probe.num_tokens() << " context tokens, " << probe.num_decode_steps() << " decode steps, "
+              << layers << " layers, " << kernels::dtype_name(o.dtype) << "\n";
+  } catch (const trace::TraceError& e) {
+    return fail("synth", e.what());
+  } catch (const std::invalid_argument& e) {
+    return fail("synth", e.what());
+  }
+  return kExitOk;
+}
+
+int cmd_validate(const std::vector<std::string>& args) {
+  po::options_description opts(
+      "kvcap validate FILE\n\n"
+      "Checks a trace against trace format v1: root attributes and version, /tokens, every layer's\n"
+      "q/k/v shapes and dtypes, /decode, /profile, and every tensor element for NaN/Inf (read one\n"
+      "head at a time). Prints one line. Exit 0 if valid and complete, 2 otherwise (an incomplete\n"
+      "trace, whose writer never finished, is reported with what it contains).\n\nOptions");
+  opts.add_options()("help,h", "show this help")("file", po::value<std::string>(), "trace file")(
+      "quiet,q", "no progress bar");
+  po::positional_options_description pos;
+  pos.add("file", 1);
+  po::variables_map vm;
+  try {
+    po::store(po::command_line_parser(args).options(opts).positional(pos).run(), vm);
+    if (vm.count("help")) {
+      std::cout << opts;
+      return kExitOk;
+    }
+    po::notify(vm);
+  } catch (const po::error& e) {
+    return fail("validate", std::string(e.what()) + " (see kvcap validate --help)");
+  }
+  if (!vm.count("file")) return fail("validate", "missing FILE (see kvcap validate --help)");
+  const std::string file = vm["file"].as<std::string>();
+  cli::ProgressBar bar("kvcap validate", 1, !vm.count("quiet"));
+  bool started = false;
+  const auto report = trace::validate_trace(file, [&](std::size_t done, std::size_t total) {
+    if (!started) {
+      bar = cli::ProgressBar("kvcap validate", total, !vm.count("quiet"));
+      started = true;
+    }
+    bar.update(done);
+  });
+  if (started) bar.finish();
+  if (report.ok) {
+    std::cout << report.message << "\n";
+    return kExitOk;
+  }
+  std::cerr << "kvcap validate: " << report.message << "\n";
+  return kExitError;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    print_usage(std::cerr);
+    return kExitError;
+  }
+  const std::string cmd = argv[1];
+  const std::vector<std::string> rest(argv + 2, argv + argc);
+  try {
+    if (cmd == "--help" || cmd == "-h" || cmd == "help") {
+      print_usage(std::cout);
+      return kExitOk;
+    }
+    if (cmd == "synth") return cmd_synth(rest);
+    if (cmd == "validate") return cmd_validate(rest);
+    std::cerr << "kvcap: unknown command '" << cmd << "' (valid: synth, validate; see kvcap --help)\n";
+    return kExitError;
+  } catch (const std::exception& e) {
+    std::cerr << "kvcap " << cmd << ": " << e.what() << "\n";
+    return kExitError;
+  }
+}

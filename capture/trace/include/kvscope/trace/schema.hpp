@@ -1,0 +1,121 @@
+// Trace format v1: names, codes and in-memory records shared by the writer,
+// the reader and the validator. docs/trace-format.md is the normative text.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kvscope/kernels/common.hpp"
+
+namespace kvscope::trace {
+
+using kernels::DType;
+using kernels::Modality;
+
+inline constexpr const char* kFormatName = "kvscope-trace";
+inline constexpr int kVersionMajor = 1;
+inline constexpr int kVersionMinor = 0;
+
+// "/layers/007" for layer 7 (three digits, more if num_layers > 1000).
+std::string layer_group_name(int layer);
+std::string decode_layer_group_name(int layer);
+
+struct ModelGeometry {
+  int num_layers = 0;
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  double rope_theta = 10000.0;
+  std::string model_name;
+  int group_size() const { return num_kv_heads > 0 ? num_q_heads / num_kv_heads : 0; }
+};
+
+// Root attributes of a trace.
+struct TraceHeader {
+  ModelGeometry geometry;
+  DType dtype = DType::kF16;   // element type of every q/k/v tensor
+  bool synthetic = false;
+  std::string creator;         // program and version that wrote the file
+  std::string created;         // ISO-8601 UTC time; filled by the writer if empty
+  std::string device;          // "cpu", "NVIDIA H200", "synthetic", ...
+  int version_major = kVersionMajor;
+  int version_minor = kVersionMinor;
+  bool complete = false;       // set by the writer's close(); false means the run crashed
+};
+
+// /tokens: one entry per context (prefill) token.
+struct Tokens {
+  std::vector<std::uint8_t> modality;  // [T] Modality code 0..3
+  std::vector<std::int32_t> position;  // [T] absolute position id
+  std::vector<std::int32_t> token_id;  // [T] vocabulary id, -1 where none (e.g. image patches)
+  std::vector<std::int32_t> segment;   // [T] which turn / image / audio clip
+  std::vector<std::int32_t> grid_row;  // [T] patch row for vision tokens, -1 otherwise
+  std::vector<std::int32_t> grid_col;  // [T] patch column for vision tokens, -1 otherwise
+  std::vector<std::string> text;       // [T] optional decoded text (empty vector = absent)
+  std::size_t size() const { return modality.size(); }
+};
+
+// A dense tensor in the trace's element type: raw little-endian bytes.
+struct Tensor {
+  DType dtype = DType::kF32;
+  std::vector<std::size_t> shape;   // e.g. [heads, tokens, head_dim]
+  std::vector<std::byte> data;      // product(shape) * dtype_bytes(dtype)
+  std::size_t numel() const {
+    std::size_t n = 1;
+    for (auto s : shape) n *= s;
+    return n;
+  }
+  float at(std::size_t i) const { return kernels::load_element(data.data(), dtype, i); }
+  std::vector<float> to_float() const;
+};
+
+// Non-owning view of a tensor to write (host memory).
+struct TensorView {
+  const void* data = nullptr;
+  DType dtype = DType::kF32;
+  std::array<std::size_t, 3> shape{};  // [heads, tokens, head_dim]
+};
+
+// One prefill layer: q [Hq, T, D], k and v [Hkv, T, D]; keys after RoPE as cached.
+struct LayerTensors {
+  Tensor q, k, v;
+};
+
+// Optional precomputed aggregates of a prefill layer.
+struct LayerAggregates {
+  std::vector<float> attn_colsum;  // [Hq, T] sum over causal prefill queries of attention to each key
+  std::vector<float> attn_window;  // [Hq, W, T] attention rows of the last W prefill queries
+  int window = 0;                  // W
+};
+
+// /profile records (CUPTI kernels / memcpys, NVTX or steady-clock ranges).
+struct KernelRecord {
+  std::string name;
+  std::int64_t start_ns = 0, end_ns = 0;
+  std::int64_t stream = 0;
+  std::int32_t device = 0;
+  std::array<std::int32_t, 3> grid{0, 0, 0}, block{0, 0, 0};
+  std::int64_t bytes = 0;  // bytes moved (memcpy records), 0 for kernels
+  std::string kind;        // "kernel", "memcpy_htod", "memcpy_dtoh", ...
+};
+struct RangeRecord {
+  std::string name;
+  std::int64_t start_ns = 0, end_ns = 0;
+  std::int32_t depth = 0;   // nesting depth, 0 = outermost
+  std::int64_t thread = 0;  // thread or stream id
+};
+struct Profile {
+  std::vector<KernelRecord> kernels;
+  std::vector<RangeRecord> ranges;
+};
+
+// Bytes of K plus V for `tokens` tokens in one layer: 2 * kv_heads * tokens * head_dim * element bytes.
+inline std::uint64_t kv_bytes_per_layer(const ModelGeometry& g, DType dtype, std::uint64_t tokens) {
+  return 2ull * static_cast<std::uint64_t>(g.num_kv_heads) * tokens * static_cast<std::uint64_t>(g.head_dim) *
+         kernels::dtype_bytes(dtype);
+}
+
+}  // namespace kvscope::trace

@@ -1,0 +1,53 @@
+// Streaming writer of trace v1 files. Each call writes straight to disk, so a
+// model of any depth is captured with memory bounded by the caller's one layer.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvscope/trace/schema.hpp"
+
+namespace kvscope::trace {
+
+struct WriterOptions {
+  int chunk_tokens = 256;  // tokens per chunk; a chunk covers one head and this many tokens
+  int deflate_level = 0;   // 0 = no compression, 1..9 = gzip level
+};
+
+class TraceWriter {
+ public:
+  // Creates (truncates) `path` and writes the root attributes with complete = 0.
+  // num_decode_steps is S, the number of generated tokens recorded under /decode.
+  TraceWriter(const std::string& path, const TraceHeader& header, std::size_t context_tokens,
+              std::size_t num_decode_steps, WriterOptions options = {});
+  ~TraceWriter();  // closes the file without marking it complete unless close() was called
+  TraceWriter(const TraceWriter&) = delete;
+  TraceWriter& operator=(const TraceWriter&) = delete;
+
+  // /tokens, length T.
+  void write_tokens(const Tokens& tokens);
+  // /layers/NNN/{q,k,v}: q [Hq, T, D], k and v [Hkv, T, D], all in header.dtype.
+  void write_layer(int layer, const TensorView& q, const TensorView& k, const TensorView& v);
+  // Optional /layers/NNN/attn_colsum and attn_window.
+  void write_layer_aggregates(int layer, const LayerAggregates& aggregates);
+  // /decode/layers/NNN/{q,k,v}: q [Hq, S, D], k and v [Hkv, S, D].
+  void write_decode_layer(int layer, const TensorView& q, const TensorView& k, const TensorView& v);
+  // /decode/tokens: generated token ids [S] and positions [S] (modality text).
+  void write_decode_tokens(const std::vector<std::int32_t>& token_id, const std::vector<std::int32_t>& position,
+                           const std::vector<std::string>& text = {});
+  // /profile/kernels and /profile/ranges (may be empty).
+  void write_profile(const Profile& profile);
+
+  // Checks that every required part was written, sets complete = 1 and closes.
+  // Throws TraceError (kUsage) naming what is missing; the file stays incomplete.
+  void close();
+
+  const std::string& path() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvscope::trace

@@ -1,0 +1,423 @@
+#include "kvscope/trace/reader.hpp"
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+
+#include "h5.hpp"
+
+namespace kvscope::trace {
+
+using h5::Handle;
+
+const char* tensor_kind_name(TensorKind k) { return k == TensorKind::kQ ? "q" : k == TensorKind::kK ? "k" : "v"; }
+
+struct TraceReader::Impl {
+  h5::Ctx ctx;
+  Handle file;
+  ReaderOptions options;
+  TraceHeader header;
+  std::size_t T = 0, S = 0;
+  Tokens tokens;
+  DecodeTokens decode;
+  int layers_present = 0, decode_layers_present = 0;
+
+  std::vector<std::string> read_strings(const std::string& path, hsize_t n) {
+    if (dataset_shape_checked(path) != std::vector<hsize_t>{n}) {
+      ctx.fail(ErrorKind::kShape, path, "expected length " + std::to_string(n));
+    }
+    Handle d = ctx.check_id(H5Dopen2(file, path.c_str(), H5P_DEFAULT), H5Dclose, path, "H5Dopen2");
+    Handle ft = ctx.check_id(H5Dget_type(d), H5Tclose, path, "H5Dget_type");
+    if (H5Tget_class(ft) != H5T_STRING) ctx.fail(ErrorKind::kDType, path, "must be a string dataset");
+    std::vector<std::string> out(n);
+    if (n == 0) return out;
+    if (H5Tis_variable_str(ft) > 0) {
+      Handle mt = ctx.check_id(H5Tcopy(H5T_C_S1), H5Tclose, path, "H5Tcopy");
+      H5Tset_size(mt, H5T_VARIABLE);
+      H5Tset_cset(mt, H5Tget_cset(ft));
+      std::vector<char*> ptrs(n, nullptr);
+      ctx.check(H5Dread(d, mt, H5S_ALL, H5S_ALL, H5P_DEFAULT, ptrs.data()), path, "H5Dread");
+      for (hsize_t i = 0; i < n; ++i) out[i] = ptrs[i] ? ptrs[i] : "";
+      Handle sp = ctx.check_id(H5Dget_space(d), H5Sclose, path, "H5Dget_space");
+      H5Dvlen_reclaim(mt, sp, H5P_DEFAULT, ptrs.data());
+    } else {
+      const std::size_t w = H5Tget_size(ft);
+      std::vector<char> buf(w * n);
+      Handle mt = ctx.check_id(H5Tcopy(H5T_C_S1), H5Tclose, path, "H5Tcopy");
+      H5Tset_size(mt, w);
+      H5Tset_strpad(mt, H5T_STR_NULLPAD);
+      ctx.check(H5Dread(d, mt, H5S_ALL, H5S_ALL, H5P_DEFAULT, buf.data()), path, "H5Dread");
+      for (hsize_t i = 0; i < n; ++i) out[i] = std::string(buf.data() + i * w, strnlen(buf.data() + i * w, w));
+    }
+    return out;
+  }
+
+  std::vector<hsize_t> dataset_shape_checked(const std::string& path) { return h5::dataset_shape(ctx, file, path); }
+
+  void expect_tensor(const std::string& path, hsize_t heads, hsize_t tokens) {
+    const std::vector<hsize_t> want{heads, tokens, static_cast<hsize_t>(header.geometry.head_dim)};
+    const std::vector<hsize_t> got = h5::dataset_shape(ctx, file, path);
+    if (got != want) {
+      auto str = [](const std::vector<hsize_t>& v) {
+        std::string s = "[";
+        for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+        return s + "]";
+      };
+      ctx.fail(ErrorKind::kShape, path, "shape " + str(got) + ", expected " + str(want) + " [heads, tokens, head_dim]");
+    }
+    const DType dt = h5::tensor_dtype(ctx, file, path);
+    if (dt != header.dtype) {
+      ctx.fail(ErrorKind::kDType, path,
+               std::string("dtype ") + kernels::dtype_name(dt) + " differs from the trace's " +
+                   kernels::dtype_name(header.dtype) + " (first tensor /layers/000/k)");
+    }
+  }
+
+  void read_header() {
+    hid_t root = file;
+    const std::string fmt = h5::read_attr_string(ctx, root, "/", "format");
+    if (fmt != kFormatName) ctx.fail(ErrorKind::kFormat, "/@format", "is '" + fmt + "', not '" + kFormatName + "'");
+    const std::string ver = h5::read_attr_string(ctx, root, "/", "version");
+    int major = -1, minor = -1;
+    if (std::sscanf(ver.c_str(), "%d.%d", &major, &minor) != 2 || major < 0 || minor < 0) {
+      ctx.fail(ErrorKind::kVersion, "/@version", "'" + ver + "' is not MAJOR.MINOR");
+    }
+    if (major != kVersionMajor) {
+      ctx.fail(ErrorKind::kVersion, "/@version",
+               "unsupported trace version " + ver + " (this reader supports " + std::to_string(kVersionMajor) + ".x)");
+    }
+    header.version_major = major;
+    header.version_minor = minor;
+    header.synthetic = h5::read_attr_bool(ctx, root, "/", "synthetic");
+    header.complete = !h5::attr_exists(root, "complete") || h5::read_attr_bool(ctx, root, "/", "complete");
+    auto opt_string = [&](const char* name) {
+      return h5::attr_exists(root, name) ? h5::read_attr_string(ctx, root, "/", name) : std::string();
+    };
+    header.creator = opt_string("creator");
+    header.created = opt_string("created");
+    header.device = opt_string("device");
+    ModelGeometry& g = header.geometry;
+    g.model_name = opt_string("model_name");
+    auto positive = [&](const char* name) {
+      const std::int64_t v = h5::read_attr_i64(ctx, root, "/", name);
+      if (v <= 0 || v > 1'000'000) ctx.fail(ErrorKind::kValue, std::string("/@") + name, "must be a positive count, got " + std::to_string(v));
+      return static_cast<int>(v);
+    };
+    g.num_layers = positive("num_layers");
+    g.num_q_heads = positive("num_q_heads");
+    g.num_kv_heads = positive("num_kv_heads");
+    g.head_dim = positive("head_dim");
+    g.rope_theta = h5::read_attr_f64(ctx, root, "/", "rope_theta");
+    if (g.num_q_heads % g.num_kv_heads != 0) {
+      ctx.fail(ErrorKind::kValue, "/@num_kv_heads",
+               "num_q_heads " + std::to_string(g.num_q_heads) + " is not a multiple of num_kv_heads " +
+                   std::to_string(g.num_kv_heads));
+    }
+  }
+
+  void read_tokens() {
+    const std::vector<hsize_t> ms = h5::dataset_shape(ctx, file, "/tokens/modality");
+    if (ms.size() != 1) ctx.fail(ErrorKind::kShape, "/tokens/modality", "must be 1-D [T]");
+    T = ms[0];
+    tokens.modality = h5::read_u8(ctx, file, "/tokens/modality", T);
+    for (std::size_t i = 0; i < T; ++i) {
+      if (tokens.modality[i] >= kernels::kNumModalities) {
+        ctx.fail(ErrorKind::kValue, "/tokens/modality",
+                 "bad modality code " + std::to_string(tokens.modality[i]) + " at token " + std::to_string(i) +
+                     " (allowed: 0 text, 1 vision, 2 audio, 3 special)");
+      }
+    }
+    tokens.position = h5::read_i32(ctx, file, "/tokens/position", {T});
+    tokens.token_id = h5::read_i32(ctx, file, "/tokens/token_id", {T});
+    tokens.segment = h5::read_i32(ctx, file, "/tokens/segment", {T});
+    const std::vector<std::int32_t> grid = h5::read_i32(ctx, file, "/tokens/grid", {T, 2});
+    tokens.grid_row.resize(T);
+    tokens.grid_col.resize(T);
+    for (std::size_t i = 0; i < T; ++i) {
+      tokens.grid_row[i] = grid[2 * i];
+      tokens.grid_col[i] = grid[2 * i + 1];
+    }
+    if (h5::exists(file, "/tokens/text")) tokens.text = read_strings("/tokens/text", T);
+  }
+
+  void read_decode_tokens() {
+    const std::vector<hsize_t> s = h5::dataset_shape(ctx, file, "/decode/tokens/token_id");
+    if (s.size() != 1) ctx.fail(ErrorKind::kShape, "/decode/tokens/token_id", "must be 1-D [S]");
+    S = s[0];
+    decode.token_id = h5::read_i32(ctx, file, "/decode/tokens/token_id", {S});
+    decode.position = h5::read_i32(ctx, file, "/decode/tokens/position", {S});
+    if (h5::exists(file, "/decode/tokens/text")) decode.text = read_strings("/decode/tokens/text", S);
+  }
+
+  void check_layers() {
+    const ModelGeometry& g = header.geometry;
+    const auto Hq = static_cast<hsize_t>(g.num_q_heads), Hkv = static_cast<hsize_t>(g.num_kv_heads);
+    layers_present = decode_layers_present = 0;
+    if (!header.complete && !h5::exists(file, layer_group_name(0) + "/k")) return;  // nothing captured yet
+    // The trace dtype is the dtype of the first layer's keys; a root `dtype` attribute must agree.
+    header.dtype = h5::tensor_dtype(ctx, file, layer_group_name(0) + "/k");
+    if (h5::attr_exists(file, "dtype")) {
+      const std::string d = h5::read_attr_string(ctx, file, "/", "dtype");
+      if (d != kernels::dtype_name(header.dtype)) {
+        ctx.fail(ErrorKind::kDType, "/@dtype", "says '" + d + "' but tensors are " + kernels::dtype_name(header.dtype));
+      }
+    }
+    // An incomplete trace (its writer stopped) is described up to the first missing group.
+    for (int l = 0; l < g.num_layers; ++l) {
+      const std::string lg = layer_group_name(l);
+      if (!h5::exists(file, lg + "/v")) {
+        if (!header.complete) break;
+        if (!h5::exists(file, lg)) {
+          ctx.fail(ErrorKind::kMissing, lg, "layer group is missing (num_layers = " + std::to_string(g.num_layers) + ")");
+        }
+      }
+      expect_tensor(lg + "/q", Hq, T);
+      expect_tensor(lg + "/k", Hkv, T);
+      expect_tensor(lg + "/v", Hkv, T);
+      if (h5::exists(file, lg + "/attn_colsum") && h5::dataset_shape(ctx, file, lg + "/attn_colsum") != std::vector<hsize_t>{Hq, T}) {
+        ctx.fail(ErrorKind::kShape, lg + "/attn_colsum", "expected [num_q_heads, T]");
+      }
+      if (h5::exists(file, lg + "/attn_window")) {
+        const auto ws = h5::dataset_shape(ctx, file, lg + "/attn_window");
+        if (ws.size() != 3 || ws[0] != Hq || ws[2] != T) ctx.fail(ErrorKind::kShape, lg + "/attn_window", "expected [num_q_heads, W, T]");
+      }
+      ++layers_present;
+    }
+    for (int l = 0; l < g.num_layers; ++l) {
+      const std::string dg = decode_layer_group_name(l);
+      if (!h5::exists(file, dg + "/v")) {
+        if (!header.complete) break;
+        if (!h5::exists(file, dg)) ctx.fail(ErrorKind::kMissing, dg, "decode layer group is missing");
+      }
+      expect_tensor(dg + "/q", Hq, S);
+      expect_tensor(dg + "/k", Hkv, S);
+      expect_tensor(dg + "/v", Hkv, S);
+      ++decode_layers_present;
+    }
+  }
+
+  Tensor read_slab(const std::string& path, std::vector<hsize_t> start, std::vector<hsize_t> count) const {
+    Tensor t;
+    t.dtype = header.dtype;
+    t.shape.assign(count.begin(), count.end());
+    t.data.resize(t.numel() * kernels::dtype_bytes(t.dtype));
+    if (t.numel()) h5::read_tensor_slab(ctx, file, path, t.dtype, start, count, t.data.data());
+    if (options.check_finite) {
+      const std::ptrdiff_t bad = first_non_finite(t);
+      if (bad >= 0) {
+        const auto D = static_cast<std::size_t>(header.geometry.head_dim);
+        const std::size_t i = static_cast<std::size_t>(bad);
+        const std::size_t per_head = count[1] * D;
+        ctx.fail(ErrorKind::kValue, path,
+                 std::string(std::isnan(t.at(i)) ? "NaN" : "Inf") + " at [" + std::to_string(start[0] + i / per_head) +
+                     ", " + std::to_string(start[1] + (i % per_head) / D) + ", " + std::to_string(i % D) + "]");
+      }
+    }
+    return t;
+  }
+
+  void require_layer(int layer, bool decode) const {
+    if (layer < 0 || layer >= (decode ? decode_layers_present : layers_present)) {
+      ctx.fail(ErrorKind::kUsage, decode ? decode_layer_group_name(layer) : layer_group_name(layer),
+               "layer not in trace (" + std::to_string(layers_present) + " layers present)");
+    }
+  }
+};
+
+TraceReader::TraceReader(const std::string& path, ReaderOptions options) : impl_(std::make_unique<Impl>()) {
+  h5::silence_errors();
+  Impl& m = *impl_;
+  m.ctx.file = path;
+  m.options = options;
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) m.ctx.fail(ErrorKind::kIo, "", "no such file");
+  if (std::filesystem::is_directory(path, ec)) m.ctx.fail(ErrorKind::kIo, "", "is a directory, not a trace file");
+  const htri_t is = H5Fis_hdf5(path.c_str());
+  if (is <= 0) {
+    h5::last_error_message();
+    m.ctx.fail(ErrorKind::kNotHdf5, "", "not an HDF5 file");
+  }
+  m.file = m.ctx.check_id(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose, "",
+                          "truncated or corrupt HDF5 file: H5Fopen");
+  m.read_header();
+  if (!m.header.complete && options.require_complete) {
+    m.ctx.fail(ErrorKind::kIncomplete, "/@complete",
+               "trace is incomplete (complete = 0): the capture that wrote it did not finish");
+  }
+  // A complete trace must have everything; an incomplete one is described as far as it goes.
+  if (m.header.complete || h5::exists(m.file, "/tokens/modality")) m.read_tokens();
+  if (m.header.complete || h5::exists(m.file, "/decode/tokens/token_id")) m.read_decode_tokens();
+  m.check_layers();
+}
+
+TraceReader::~TraceReader() = default;
+TraceReader::TraceReader(TraceReader&&) noexcept = default;
+TraceReader& TraceReader::operator=(TraceReader&&) noexcept = default;
+
+const std::string& TraceReader::path() const { return impl_->ctx.file; }
+const TraceHeader& TraceReader::header() const { return impl_->header; }
+std::size_t TraceReader::num_tokens() const { return impl_->T; }
+std::size_t TraceReader::num_decode_steps() const { return impl_->S; }
+const Tokens& TraceReader::tokens() const { return impl_->tokens; }
+const DecodeTokens& TraceReader::decode_tokens() const { return impl_->decode; }
+int TraceReader::layers_present() const { return impl_->layers_present; }
+int TraceReader::decode_layers_present() const { return impl_->decode_layers_present; }
+
+LayerTensors TraceReader::read_layer(int layer) const {
+  const Impl& m = *impl_;
+  m.require_layer(layer, false);
+  const auto& g = m.header.geometry;
+  const hsize_t D = static_cast<hsize_t>(g.head_dim), T = m.T;
+  const std::string lg = layer_group_name(layer);
+  LayerTensors out;
+  out.q = m.read_slab(lg + "/q", {0, 0, 0}, {static_cast<hsize_t>(g.num_q_heads), T, D});
+  out.k = m.read_slab(lg + "/k", {0, 0, 0}, {static_cast<hsize_t>(g.num_kv_heads), T, D});
+  out.v = m.read_slab(lg + "/v", {0, 0, 0}, {static_cast<hsize_t>(g.num_kv_heads), T, D});
+  return out;
+}
+
+Tensor TraceReader::read_head(int layer, TensorKind kind, int head) const {
+  const Impl& m = *impl_;
+  m.require_layer(layer, false);
+  const auto& g = m.header.geometry;
+  const int heads = kind == TensorKind::kQ ? g.num_q_heads : g.num_kv_heads;
+  const std::string path = layer_group_name(layer) + "/" + tensor_kind_name(kind);
+  if (head < 0 || head >= heads) m.ctx.fail(ErrorKind::kUsage, path, "head " + std::to_string(head) + " out of range");
+  return m.read_slab(path, {static_cast<hsize_t>(head), 0, 0}, {1, m.T, static_cast<hsize_t>(g.head_dim)});
+}
+
+LayerTensors TraceReader::read_decode_layer(int layer) const {
+  const Impl& m = *impl_;
+  m.require_layer(layer, true);
+  const auto& g = m.header.geometry;
+  const hsize_t D = static_cast<hsize_t>(g.head_dim), S = m.S;
+  const std::string dg = decode_layer_group_name(layer);
+  LayerTensors out;
+  out.q = m.read_slab(dg + "/q", {0, 0, 0}, {static_cast<hsize_t>(g.num_q_heads), S, D});
+  out.k = m.read_slab(dg + "/k", {0, 0, 0}, {static_cast<hsize_t>(g.num_kv_heads), S, D});
+  out.v = m.read_slab(dg + "/v", {0, 0, 0}, {static_cast<hsize_t>(g.num_kv_heads), S, D});
+  return out;
+}
+
+std::optional<LayerAggregates> TraceReader::read_aggregates(int layer) const {
+  const Impl& m = *impl_;
+  m.require_layer(layer, false);
+  const std::string lg = layer_group_name(layer);
+  const bool has_col = h5::exists(m.file, lg + "/attn_colsum"), has_win = h5::exists(m.file, lg + "/attn_window");
+  if (!has_col && !has_win) return std::nullopt;
+  LayerAggregates a;
+  auto read_f32 = [&](const std::string& path, std::vector<float>& out) {
+    const auto shape = h5::dataset_shape(m.ctx, m.file, path);
+    std::size_t n = 1;
+    for (auto s : shape) n *= s;
+    out.resize(n);
+    Handle d = m.ctx.check_id(H5Dopen2(m.file, path.c_str(), H5P_DEFAULT), H5Dclose, path, "H5Dopen2");
+    if (n) m.ctx.check(H5Dread(d, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, out.data()), path, "H5Dread");
+    return shape;
+  };
+  if (has_col) read_f32(lg + "/attn_colsum", a.attn_colsum);
+  if (has_win) a.window = static_cast<int>(read_f32(lg + "/attn_window", a.attn_window)[1]);
+  return a;
+}
+
+namespace {
+struct KernelRowIn {
+  char* name;
+  char* kind;
+  std::int64_t start_ns, end_ns, stream, bytes;
+  std::int32_t device;
+  std::int32_t grid[3];
+  std::int32_t block[3];
+};
+struct RangeRowIn {
+  char* name;
+  std::int64_t start_ns, end_ns, thread;
+  std::int32_t depth;
+};
+}  // namespace
+
+Profile TraceReader::read_profile() const {
+  const Impl& m = *impl_;
+  const h5::Ctx& c = m.ctx;
+  Profile p;
+  Handle str = c.check_id(H5Tcopy(H5T_C_S1), H5Tclose, "/profile", "H5Tcopy");
+  H5Tset_size(str, H5T_VARIABLE);
+  H5Tset_cset(str, H5T_CSET_UTF8);
+  const hsize_t three = 3;
+  Handle i32x3 = c.check_id(H5Tarray_create2(H5T_NATIVE_INT32, 1, &three), H5Tclose, "/profile", "H5Tarray_create2");
+  // Members are matched by name, so files with fewer members or another order still read.
+  auto read_compound = [&](const char* path, hid_t mtype, auto& rows) {
+    if (!h5::exists(m.file, path)) return;
+    const auto shape = h5::dataset_shape(c, m.file, path);
+    if (shape.size() != 1) c.fail(ErrorKind::kShape, path, "must be 1-D");
+    rows.resize(shape[0]);
+    if (rows.empty()) return;
+    Handle d = c.check_id(H5Dopen2(m.file, path, H5P_DEFAULT), H5Dclose, path, "H5Dopen2");
+    Handle ft = c.check_id(H5Dget_type(d), H5Tclose, path, "H5Dget_type");
+    if (H5Tget_class(ft) != H5T_COMPOUND) c.fail(ErrorKind::kDType, path, "must be a compound dataset");
+    std::memset(static_cast<void*>(rows.data()), 0, rows.size() * sizeof(rows[0]));
+    c.check(H5Dread(d, mtype, H5S_ALL, H5S_ALL, H5P_DEFAULT, rows.data()), path, "H5Dread");
+  };
+  Handle kt = c.check_id(H5Tcreate(H5T_COMPOUND, sizeof(KernelRowIn)), H5Tclose, "/profile/kernels", "H5Tcreate");
+  H5Tinsert(kt, "name", HOFFSET(KernelRowIn, name), str);
+  H5Tinsert(kt, "kind", HOFFSET(KernelRowIn, kind), str);
+  H5Tinsert(kt, "start_ns", HOFFSET(KernelRowIn, start_ns), H5T_NATIVE_INT64);
+  H5Tinsert(kt, "end_ns", HOFFSET(KernelRowIn, end_ns), H5T_NATIVE_INT64);
+  H5Tinsert(kt, "stream", HOFFSET(KernelRowIn, stream), H5T_NATIVE_INT64);
+  H5Tinsert(kt, "bytes", HOFFSET(KernelRowIn, bytes), H5T_NATIVE_INT64);
+  H5Tinsert(kt, "device", HOFFSET(KernelRowIn, device), H5T_NATIVE_INT32);
+  H5Tinsert(kt, "grid", HOFFSET(KernelRowIn, grid), i32x3);
+  H5Tinsert(kt, "block", HOFFSET(KernelRowIn, block), i32x3);
+  std::vector<KernelRowIn> krows;
+  read_compound("/profile/kernels", kt, krows);
+  for (const auto& r : krows) {
+    KernelRecord k;
+    k.name = r.name ? r.name : "";
+    k.kind = r.kind ? r.kind : "";
+    k.start_ns = r.start_ns;
+    k.end_ns = r.end_ns;
+    k.stream = r.stream;
+    k.bytes = r.bytes;
+    k.device = r.device;
+    for (int i = 0; i < 3; ++i) {
+      k.grid[i] = r.grid[i];
+      k.block[i] = r.block[i];
+    }
+    p.kernels.push_back(std::move(k));
+    H5free_memory(r.name);
+    H5free_memory(r.kind);
+  }
+  Handle rt = c.check_id(H5Tcreate(H5T_COMPOUND, sizeof(RangeRowIn)), H5Tclose, "/profile/ranges", "H5Tcreate");
+  H5Tinsert(rt, "name", HOFFSET(RangeRowIn, name), str);
+  H5Tinsert(rt, "start_ns", HOFFSET(RangeRowIn, start_ns), H5T_NATIVE_INT64);
+  H5Tinsert(rt, "end_ns", HOFFSET(RangeRowIn, end_ns), H5T_NATIVE_INT64);
+  H5Tinsert(rt, "thread", HOFFSET(RangeRowIn, thread), H5T_NATIVE_INT64);
+  H5Tinsert(rt, "depth", HOFFSET(RangeRowIn, depth), H5T_NATIVE_INT32);
+  std::vector<RangeRowIn> rrows;
+  read_compound("/profile/ranges", rt, rrows);
+  for (const auto& r : rrows) {
+    p.ranges.push_back(RangeRecord{r.name ? r.name : "", r.start_ns, r.end_ns, r.depth, r.thread});
+    H5free_memory(r.name);
+  }
+  return p;
+}
+
+std::ptrdiff_t first_non_finite(const Tensor& t) {
+  const std::size_t n = t.numel();
+  if (t.dtype == DType::kF32) {
+    const auto* p = reinterpret_cast<const std::uint32_t*>(t.data.data());
+    for (std::size_t i = 0; i < n; ++i) {
+      if ((p[i] & 0x7f800000u) == 0x7f800000u) return static_cast<std::ptrdiff_t>(i);
+    }
+    return -1;
+  }
+  const auto* p = reinterpret_cast<const std::uint16_t*>(t.data.data());
+  const std::uint16_t mask = t.dtype == DType::kF16 ? 0x7c00u : 0x7f80u;
+  for (std::size_t i = 0; i < n; ++i) {
+    if ((p[i] & mask) == mask) return static_cast<std::ptrdiff_t>(i);
+  }
+  return -1;
+}
+
+}  // namespace kvscope::trace
