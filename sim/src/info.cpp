@@ -69,7 +69,9 @@ std::string format_summary(const TraceSummary& s) {
   o << "format     kvscope-trace v" << s.header.version_major << "." << s.header.version_minor
     << (s.header.synthetic ? "  SYNTHETIC (generated, not captured from a model)" : "  captured") << "\n";
   o << "model      " << (g.model_name.empty() ? "(unnamed)" : g.model_name) << "\n";
-  o << "creator    " << s.header.creator << " at " << s.header.created << " on " << s.header.device << "\n";
+  auto or_unknown = [](const std::string& x) { return x.empty() ? std::string("(unknown)") : x; };
+  o << "creator    " << or_unknown(s.header.creator) << ", created " << or_unknown(s.header.created) << ", device "
+    << or_unknown(s.header.device) << "\n";
   std::snprintf(line, sizeof line,
                 "geometry   %d layers, %d query heads, %d KV heads (GQA group %d), head_dim %d, rope_theta %g, %s\n",
                 g.num_layers, g.num_q_heads, g.num_kv_heads, g.group_size(), g.head_dim, g.rope_theta,
