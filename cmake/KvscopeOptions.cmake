@@ -4,6 +4,13 @@ set(CMAKE_CXX_STANDARD_REQUIRED ON)
 set(CMAKE_CXX_EXTENSIONS OFF)
 set(CMAKE_POSITION_INDEPENDENT_CODE ON)
 
+# CPU kernels are built for the machine that builds them (CI and users build from
+# source on the machine that runs the code). Turn off for portable binaries.
+option(KVSCOPE_NATIVE_ARCH "Compile C++ with -march=native (AVX2/AVX-512 where present)" ON)
+if(KVSCOPE_NATIVE_ARCH)
+  add_compile_options($<$<COMPILE_LANGUAGE:CXX>:-march=native>)
+endif()
+
 if(KVSCOPE_SANITIZE)
   add_compile_options($<$<COMPILE_LANGUAGE:C,CXX>:-fsanitize=address,undefined>
                       $<$<COMPILE_LANGUAGE:C,CXX>:-fno-omit-frame-pointer>
