@@ -5,6 +5,8 @@
 #include <string>
 
 #include "kvscope/sim/info.hpp"
+#include "sweep_command.hpp"
+#include "kvscope/sim/report.hpp"
 
 namespace po = boost::program_options;
 using namespace kvscope;
@@ -18,7 +20,9 @@ void print_usage(std::ostream& os) {
   os << "kvsim - replay kvscope traces through KV-cache compression policies\n\n"
         "Usage: kvsim <command> [options]\n\n"
         "Commands:\n"
-        "  info       summarise a trace: geometry, tokens per modality and segment, KV bytes per layer/modality\n\n"
+        "  info       summarise a trace: geometry, tokens per modality and segment, KV bytes per layer/modality\n"
+        "  run        replay a trace through one policy: memory and quality per layer, head and modality\n"
+        "  sweep      replay a trace through many policies x budgets: table, Pareto front, collapse flags\n\n"
         "Run 'kvsim <command> --help' for the options of a command.\n";
 }
 
@@ -72,7 +76,10 @@ int main(int argc, char** argv) {
       return kExitOk;
     }
     if (cmd == "info") return cmd_info(rest);
-    std::cerr << "kvsim: unknown command '" << cmd << "' (valid: info; see kvsim --help)\n";
+    if (cmd == "run" || cmd == "sweep") {
+      return sim::run_sweep_command(cmd, rest, sim::command_line_string(argc, argv));
+    }
+    std::cerr << "kvsim: unknown command '" << cmd << "' (valid: info, run, sweep; see kvsim --help)\n";
     return kExitError;
   } catch (const std::exception& e) {
     std::cerr << "kvsim " << cmd << ": " << e.what() << "\n";

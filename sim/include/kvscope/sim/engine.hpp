@@ -1,0 +1,83 @@
+// The replay engine: applies a policy to one layer of a trace through the
+// compression kernels and measures memory and quality on the evaluation
+// (decode) queries. Per-layer statistics (attention scores, key norms,
+// redundancy, cross-modal interaction) are computed once and shared by every
+// policy of a sweep.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "kvscope/kernels/scores.hpp"
+#include "kvscope/sim/policy.hpp"
+#include "kvscope/sim/results.hpp"
+#include "kvscope/trace/reader.hpp"
+
+namespace kvscope::sim {
+
+// Per-trace facts every layer needs.
+struct TraceContext {
+  trace::ModelGeometry geometry;
+  trace::DType dtype = trace::DType::kF16;
+  int T = 0;  // context tokens
+  int S = 0;  // evaluation (decode) queries
+  std::vector<std::uint8_t> modality;            // [T]
+  std::vector<std::int32_t> position;            // [T]
+  PerModalityCount tokens{};                     // per modality
+  std::map<std::pair<int, int>, kernels::NeighbourTable> neighbours;  // (seq radius, grid radius) -> lists
+  std::vector<std::int32_t> grid_row, grid_col, segment;
+  double complexity = 0;                         // log V + log T + 2 N_align / (T + V), set after layer 0
+  bool complexity_known = false;
+
+  static TraceContext from_reader(const trace::TraceReader& reader);
+  const kernels::NeighbourTable& neighbour_lists(int seq_radius, int grid_radius);
+};
+
+// One layer's tensors and lazily computed statistics (all [Hkv, T] float unless noted).
+class LayerData {
+ public:
+  LayerData(int layer, trace::LayerTensors prefill, trace::LayerTensors decode, TraceContext& ctx);
+
+  int layer() const { return layer_; }
+  const trace::LayerTensors& prefill() const { return prefill_; }
+  const trace::LayerTensors& decode() const { return decode_; }
+  const std::vector<float>& k_f32();  // [Hkv, T, D]
+  const std::vector<float>& v_f32();  // [Hkv, T, D]
+
+  const std::vector<float>& h2o();                            // accumulated attention, summed over GQA groups
+  const std::vector<float>& snapkv(const kernels::SnapKVParams& p);
+  const std::vector<float>& tova();
+  const std::vector<float>& key_norm();
+  const std::vector<float>& redundancy(int seq_radius, int grid_radius);
+  const std::vector<float>& cross_received();
+  const std::vector<float>& cross_given();                    // share of a token's attention on other modalities
+  // Mean key cosine of pairs inside each modality (information density proxy), per modality.
+  const PerModality& modality_similarity();
+
+ private:
+  kernels::AttentionProblem problem() const;
+  std::vector<float> reduce(const std::vector<float>& per_q_head) const;
+  int layer_;
+  trace::LayerTensors prefill_, decode_;
+  TraceContext& ctx_;
+  std::vector<float> k32_, v32_, h2o_, tova_, knorm_, received_, given_;
+  std::map<std::tuple<int, int, int>, std::vector<float>> snap_;
+  std::map<std::pair<int, int>, std::vector<float>> redundancy_;
+  PerModality modality_similarity_{};
+  bool have_similarity_ = false;
+};
+
+// Target fraction of context tokens a layer keeps for a (policy, budget) pair:
+// converts token and byte budgets, applies adaptive rates. Returns 1 for policies
+// that do not compress tokens.
+double keep_fraction(const PolicySpec& policy, const Budget& budget, const TraceContext& ctx);
+
+// Runs `policy` with a mean keep fraction on one layer. Warnings (e.g. a budget
+// clamped up to the forced set) are appended to `warnings`.
+LayerResult run_policy_on_layer(const PolicySpec& policy, double keep, LayerData& layer, TraceContext& ctx,
+                                std::vector<std::string>& warnings);
+
+}  // namespace kvscope::sim

@@ -1,0 +1,90 @@
+// Results of replaying a trace through policies: one PointResult per
+// (policy, budget), holding per-layer x per-kv-head x per-modality memory and
+// quality, their aggregates, collapse flags and Pareto membership.
+// docs/results-format.md describes the files written from these structures.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kvscope/kernels/common.hpp"
+
+namespace kvscope::sim {
+
+constexpr int kModalities = kernels::kNumModalities;  // 0 text, 1 vision, 2 audio, 3 special
+using PerModality = std::array<double, kModalities>;
+using PerModalityCount = std::array<std::int64_t, kModalities>;
+
+// Exact byte accounting of one cache (a head, a layer or a whole point).
+struct Bytes {
+  std::int64_t kv = 0;            // K and V payload: codes if quantized, else full-precision elements
+  std::int64_t scales = 0;        // quantization scales
+  std::int64_t zeros = 0;         // quantization zero points
+  std::int64_t residual = 0;      // full-precision residual tokens of a quantizer (KIVI)
+  std::int64_t multiplicity = 0;  // merge multiplicities (int32 per slot, only when something merged)
+  std::int64_t index = 0;         // index tables (query-head -> merged-head maps)
+  std::int64_t total() const { return kv + scales + zeros + residual + multiplicity + index; }
+  Bytes& operator+=(const Bytes& o) {
+    kv += o.kv; scales += o.scales; zeros += o.zeros; residual += o.residual;
+    multiplicity += o.multiplicity; index += o.index;
+    return *this;
+  }
+};
+
+// Quality on the evaluation queries, averaged over queries (and heads / layers when aggregated).
+struct Quality {
+  double output_error = 0;     // ||o~ - o|| / ||o||
+  double attention_recall = 0; // sum of full attention on surviving tokens
+  double kl = 0;               // KL(P || p~) on survivors
+  double entropy_delta = 0;    // H(p~) - H(p)
+  PerModality recall_modality{};   // R_m (1 where the modality has no attention mass)
+  PerModality share_before{};      // sum_{t in m} p(t)
+  PerModality share_after{};       // sum_{s in m} p~(s)
+};
+
+// One kv head of one layer.
+struct HeadResult {
+  int kv_head = 0;
+  Bytes bytes_full;                   // uncompressed
+  Bytes bytes_kept;                   // after the policy
+  PerModalityCount tokens{};          // context tokens per modality
+  PerModalityCount kept{};            // kept as their own slot
+  PerModalityCount merged{};          // folded into another slot
+  PerModalityCount evicted{};         // dropped
+  std::array<std::int64_t, kModalities> bytes_full_modality{};
+  std::array<std::int64_t, kModalities> bytes_kept_modality{};  // overheads apportioned by slot count
+  Quality quality;                    // mean over the query heads of this kv head and the queries
+};
+
+struct LayerResult {
+  int layer = 0;
+  std::vector<HeadResult> heads;  // [num_kv_heads]
+  HeadResult total;               // sums over heads (bytes, counts), means (quality)
+  int merged_heads = 0;           // kv heads after head merging (== num_kv_heads without it)
+};
+
+// Collapse-mode flag (design.md "Collapse modes").
+struct CollapseFlag {
+  std::string mode;           // visual_blindness, semantic_drift, repetition, over_compression
+  std::vector<int> layers;    // the layers that triggered it
+  std::string evidence;       // the numbers behind it, one line
+  std::string suggested_fix;  // the seed's suggestion
+};
+
+struct PointResult {
+  std::string policy;      // canonical policy name, e.g. "h2o+int8"
+  std::string budget;      // as given: "0.3", "512tok", "64MiB", or "-" for budget-free policies
+  double budget_value = 0; // fraction of tokens kept requested (after converting tok/bytes), 1 for "-"
+  std::vector<LayerResult> layers;
+  HeadResult total;        // all layers
+  double bytes_ratio() const {
+    return total.bytes_full.total() ? static_cast<double>(total.bytes_kept.total()) / total.bytes_full.total() : 1.0;
+  }
+  std::vector<CollapseFlag> flags;
+  bool pareto = false;     // on the memory vs output-error Pareto front of its sweep
+  double seconds = 0;      // wall time spent on this point
+};
+
+}  // namespace kvscope::sim

@@ -1,0 +1,62 @@
+// Sweeps: every (policy, budget) point replayed over a trace, one layer at a
+// time (memory bounded by one layer plus its statistics), then aggregated,
+// checked for collapse modes and marked on the Pareto front.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "kvscope/sim/engine.hpp"
+#include "kvscope/sim/policy.hpp"
+#include "kvscope/sim/results.hpp"
+#include "kvscope/trace/reader.hpp"
+
+namespace kvscope::sim {
+
+// Thresholds of the collapse modes (docs/metrics.md); defaults follow design.md.
+struct CollapseThresholds {
+  double blind_recall = 0.5;           // vision recall below this in a layer ...
+  double blind_share = 0.5;            // ... or vision attention share after < this x before
+  double blind_layer_fraction = 0.25;  // flag when at least this fraction of layers is blind
+  double drift_ratio = 2.0;            // deep-third output error > ratio x shallow-third error ...
+  double drift_min_error = 0.1;        // ... and above this absolute value
+  double repetition_entropy = -0.5;    // mean entropy change (nats) below this in a layer ...
+  double repetition_layer_fraction = 0.25;  // ... in at least this fraction of layers
+  double overcompression_kl = 0.1;     // KL above this in one of the last layers
+  int last_layers = 0;                 // how many layers count as "last" (0: max(1, L / 8))
+};
+
+std::vector<CollapseFlag> detect_collapse(const PointResult& point, const CollapseThresholds& t,
+                                          bool trace_has_vision);
+
+struct SweepPoint {
+  PolicySpec policy;
+  Budget budget;
+};
+
+// "0.1:0.9:0.1,512tok,64MiB" -> budgets (ranges inclusive, rounded to 1e-9).
+std::vector<Budget> parse_budget_list(const std::string& text);
+
+// Expands policies x budgets; policies that do not compress tokens (full, int8, ...)
+// appear once with budget "-".
+std::vector<SweepPoint> make_sweep_points(const std::vector<PolicySpec>& policies, const std::vector<Budget>& budgets);
+
+struct SweepOptions {
+  CollapseThresholds thresholds;
+  std::function<void(std::size_t done, std::size_t total)> progress;
+};
+
+struct SweepOutput {
+  std::vector<PointResult> points;
+  std::vector<std::string> warnings;
+};
+
+// Throws std::runtime_error (e.g. a trace without decode queries) with a clear message.
+SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepPoint>& points,
+                      const SweepOptions& options);
+
+// Adds `src` into `dst`: byte and token counts summed, quality weighted by `w`.
+void accumulate(HeadResult& dst, const HeadResult& src, double w);
+
+}  // namespace kvscope::sim

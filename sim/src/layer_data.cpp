@@ -1,0 +1,188 @@
+#include <cmath>
+#include <stdexcept>
+
+#include "kvscope/kernels/attention_stats.hpp"
+#include "kvscope/kernels/scores.hpp"
+#include "kvscope/sim/engine.hpp"
+
+namespace kvscope::sim {
+
+namespace {
+void check(const kernels::Status& s, const char* what) {
+  if (!s.ok()) throw std::runtime_error(std::string(what) + ": " + s.message());
+}
+}  // namespace
+
+TraceContext TraceContext::from_reader(const trace::TraceReader& reader) {
+  TraceContext c;
+  c.geometry = reader.geometry();
+  c.dtype = reader.header().dtype;
+  c.T = static_cast<int>(reader.num_tokens());
+  c.S = static_cast<int>(reader.num_decode_steps());
+  const auto& t = reader.tokens();
+  c.modality = t.modality;
+  c.position = t.position;
+  c.grid_row = t.grid_row;
+  c.grid_col = t.grid_col;
+  c.segment = t.segment;
+  for (auto m : t.modality) ++c.tokens[m];
+  return c;
+}
+
+const kernels::NeighbourTable& TraceContext::neighbour_lists(int seq_radius, int grid_radius) {
+  auto key = std::make_pair(seq_radius, grid_radius);
+  auto it = neighbours.find(key);
+  if (it != neighbours.end()) return it->second;
+  kernels::TokenGrid grid{grid_row.data(), grid_col.data(), segment.data(), T};
+  kernels::NeighbourTable table;
+  check(kernels::cpu::build_neighbour_lists(grid, kernels::RedundancyParams{seq_radius, grid_radius}, &table),
+        "neighbour lists");
+  return neighbours.emplace(key, std::move(table)).first->second;
+}
+
+LayerData::LayerData(int layer, trace::LayerTensors prefill, trace::LayerTensors decode, TraceContext& ctx)
+    : layer_(layer), prefill_(std::move(prefill)), decode_(std::move(decode)), ctx_(ctx) {}
+
+const std::vector<float>& LayerData::k_f32() {
+  if (k32_.empty()) k32_ = prefill_.k.to_float();
+  return k32_;
+}
+const std::vector<float>& LayerData::v_f32() {
+  if (v32_.empty()) v32_ = prefill_.v.to_float();
+  return v32_;
+}
+
+kernels::AttentionProblem LayerData::problem() const {
+  kernels::AttentionProblem a;
+  a.q = prefill_.q.data.data();
+  a.k = prefill_.k.data.data();
+  a.q_pos = ctx_.position.data();
+  a.k_pos = ctx_.position.data();
+  a.num_q_heads = ctx_.geometry.num_q_heads;
+  a.num_kv_heads = ctx_.geometry.num_kv_heads;
+  a.q_len = ctx_.T;
+  a.k_len = ctx_.T;
+  a.head_dim = ctx_.geometry.head_dim;
+  a.dtype = ctx_.dtype;
+  a.causal = true;
+  return a;
+}
+
+std::vector<float> LayerData::reduce(const std::vector<float>& per_q) const {
+  std::vector<float> out(static_cast<std::size_t>(ctx_.geometry.num_kv_heads) * static_cast<std::size_t>(ctx_.T));
+  check(kernels::cpu::reduce_to_kv_heads(per_q.data(), ctx_.geometry.num_q_heads, ctx_.geometry.num_kv_heads, ctx_.T,
+                                         out.data()),
+        "reduce_to_kv_heads");
+  return out;
+}
+
+const std::vector<float>& LayerData::h2o() {
+  if (h2o_.empty()) {
+    std::vector<float> q(static_cast<std::size_t>(ctx_.geometry.num_q_heads) * static_cast<std::size_t>(ctx_.T));
+    check(kernels::cpu::accumulated_attention(problem(), kernels::QueryRange{0, -1}, q.data()), "H2O attention");
+    h2o_ = reduce(q);
+  }
+  return h2o_;
+}
+
+const std::vector<float>& LayerData::snapkv(const kernels::SnapKVParams& p) {
+  kernels::SnapKVParams eff = p;
+  eff.window = std::min(eff.window, ctx_.T);
+  const auto key = std::make_tuple(eff.window, eff.kernel_size, static_cast<int>(eff.pool));
+  auto it = snap_.find(key);
+  if (it != snap_.end()) return it->second;
+  std::vector<float> q(static_cast<std::size_t>(ctx_.geometry.num_q_heads) * static_cast<std::size_t>(ctx_.T));
+  check(kernels::cpu::snapkv_scores(problem(), eff, q.data()), "SnapKV scores");
+  return snap_.emplace(key, reduce(q)).first->second;
+}
+
+const std::vector<float>& LayerData::tova() {
+  if (tova_.empty()) {
+    std::vector<float> q(static_cast<std::size_t>(ctx_.geometry.num_q_heads) * static_cast<std::size_t>(ctx_.T));
+    check(kernels::cpu::tova_scores(problem(), q.data()), "TOVA scores");
+    tova_ = reduce(q);
+  }
+  return tova_;
+}
+
+const std::vector<float>& LayerData::key_norm() {
+  if (knorm_.empty()) {
+    knorm_.resize(static_cast<std::size_t>(ctx_.geometry.num_kv_heads) * static_cast<std::size_t>(ctx_.T));
+    kernels::KeyTensor k{prefill_.k.data.data(), ctx_.geometry.num_kv_heads, ctx_.T, ctx_.geometry.head_dim, ctx_.dtype};
+    check(kernels::cpu::key_norms(k, knorm_.data()), "key norms");
+  }
+  return knorm_;
+}
+
+const std::vector<float>& LayerData::redundancy(int seq_radius, int grid_radius) {
+  const auto key = std::make_pair(seq_radius, grid_radius);
+  auto it = redundancy_.find(key);
+  if (it != redundancy_.end()) return it->second;
+  std::vector<float> out(static_cast<std::size_t>(ctx_.geometry.num_kv_heads) * static_cast<std::size_t>(ctx_.T));
+  kernels::KeyTensor k{prefill_.k.data.data(), ctx_.geometry.num_kv_heads, ctx_.T, ctx_.geometry.head_dim, ctx_.dtype};
+  check(kernels::cpu::redundancy(k, ctx_.neighbour_lists(seq_radius, grid_radius).view(), out.data()), "redundancy");
+  return redundancy_.emplace(key, std::move(out)).first->second;
+}
+
+const std::vector<float>& LayerData::cross_received() {
+  if (received_.empty()) {
+    const std::size_t n = static_cast<std::size_t>(ctx_.geometry.num_q_heads) * static_cast<std::size_t>(ctx_.T);
+    std::vector<float> rec(n), giv(n);
+    check(kernels::cpu::cross_modal_interaction(problem(), ctx_.modality.data(), nullptr, rec.data(), giv.data()),
+          "cross-modal interaction");
+    received_ = reduce(rec);
+    given_ = reduce(giv);
+    // reduce() sums over the query heads of a group: turn the given share back into a mean.
+    const float g = static_cast<float>(ctx_.geometry.group_size());
+    for (auto& x : given_) x /= g;
+  }
+  return received_;
+}
+
+const std::vector<float>& LayerData::cross_given() {
+  cross_received();
+  return given_;
+}
+
+const PerModality& LayerData::modality_similarity() {
+  if (have_similarity_) return modality_similarity_;
+  // Mean cosine over pairs of tokens of the same modality: every token with up to 8 others
+  // spread evenly over that modality (deterministic), averaged over kv heads.
+  const auto& k = k_f32();
+  const int D = ctx_.geometry.head_dim, H = ctx_.geometry.num_kv_heads, T = ctx_.T;
+  std::vector<std::vector<int>> members(kModalities);
+  for (int t = 0; t < T; ++t) members[ctx_.modality[static_cast<std::size_t>(t)]].push_back(t);
+  for (int m = 0; m < kModalities; ++m) {
+    const auto& idx = members[static_cast<std::size_t>(m)];
+    const int n = static_cast<int>(idx.size());
+    if (n < 2) {
+      modality_similarity_[static_cast<std::size_t>(m)] = 0.0;
+      continue;
+    }
+    double sum = 0;
+    long cnt = 0;
+    const int stride = std::max(1, n / 9);
+    for (int h = 0; h < H; ++h) {
+      for (int a = 0; a < n; ++a) {
+        for (int step = 1; step <= 8 && step * stride < n; ++step) {
+          const int b = (a + step * stride) % n;
+          const float* x = &k[(static_cast<std::size_t>(h) * T + idx[static_cast<std::size_t>(a)]) * D];
+          const float* y = &k[(static_cast<std::size_t>(h) * T + idx[static_cast<std::size_t>(b)]) * D];
+          double xy = 0, xx = 0, yy = 0;
+          for (int d = 0; d < D; ++d) {
+            xy += static_cast<double>(x[d]) * y[d];
+            xx += static_cast<double>(x[d]) * x[d];
+            yy += static_cast<double>(y[d]) * y[d];
+          }
+          if (xx > 0 && yy > 0) sum += xy / std::sqrt(xx * yy);
+          ++cnt;
+        }
+      }
+    }
+    modality_similarity_[static_cast<std::size_t>(m)] = cnt ? sum / static_cast<double>(cnt) : 0.0;
+  }
+  have_similarity_ = true;
+  return modality_similarity_;
+}
+
+}  // namespace kvscope::sim

@@ -1,0 +1,535 @@
+// One policy on one layer: head merge -> scores -> budgets -> select ->
+// keep/merge/evict -> quantize -> exact bytes -> quality on decode queries.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <stdexcept>
+
+#include "kvscope/kernels/compact.hpp"
+#include "kvscope/kernels/evaluate.hpp"
+#include "kvscope/kernels/head_merge.hpp"
+#include "kvscope/kernels/merge.hpp"
+#include "kvscope/kernels/quantize.hpp"
+#include "kvscope/kernels/select.hpp"
+#include "kvscope/sim/engine.hpp"
+
+namespace kvscope::sim {
+
+namespace {
+
+void check(const kernels::Status& s, const char* what) {
+  if (!s.ok()) throw std::runtime_error(std::string(what) + ": " + s.message());
+}
+
+std::uint64_t splitmix(std::uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+constexpr int kVision = static_cast<int>(kernels::Modality::kVision);
+constexpr int kText = static_cast<int>(kernels::Modality::kText);
+
+// Compression rate (fraction removed) of UniCache's cosine layer schedule.
+double unicache_rate(const UniCacheConfig& u, int layer, int num_layers) {
+  const double x = num_layers > 1 ? static_cast<double>(layer) / (num_layers - 1) : 0.0;
+  return u.rate_deep + (u.rate_shallow - u.rate_deep) * 0.5 * (1.0 + std::cos(M_PI * x)) + u.rate_offset;
+}
+
+// Adaptive fallback: more complex inputs get a gentler rate in [0.40, 0.75].
+double adaptive_rate(double complexity) {
+  const double lo = std::log(64.0) + std::log(16.0), hi = std::log(4608.0) + std::log(4096.0) + 0.3;
+  const double x = std::clamp((complexity - lo) / (hi - lo), 0.0, 1.0);
+  return 0.75 - 0.35 * x;
+}
+
+// Structured spatial priority of a vision token: log2 of the coarsest stride s whose
+// grid (row % s == 0 and col % s == 0) contains it, so any top-k is evenly spread.
+float stride_level(int row, int col) {
+  if (row < 0 || col < 0) return 0.0f;
+  int level = 0;
+  for (int s = 2; s <= 1 << 12; s <<= 1) {
+    if (row % s != 0 || col % s != 0) break;
+    ++level;
+  }
+  return static_cast<float>(level);
+}
+
+}  // namespace
+
+double keep_fraction(const PolicySpec& p, const Budget& b, const TraceContext& ctx) {
+  if (!p.compress_tokens) return 1.0;
+  if (p.adaptive) {
+    const double rate = adaptive_rate(ctx.complexity);
+    return 1.0 - rate;
+  }
+  switch (b.kind) {
+    case Budget::Kind::kNone:
+      if (p.allocator == AllocatorKind::kUniCache) {
+        double mean = 0;
+        for (int l = 0; l < ctx.geometry.num_layers; ++l) mean += 1.0 - unicache_rate(p.unicache, l, ctx.geometry.num_layers);
+        return std::clamp(mean / ctx.geometry.num_layers, 0.0, 1.0);
+      }
+      return 0.5;
+    case Budget::Kind::kFraction:
+      return b.value;
+    case Budget::Kind::kTokens:
+      return std::min(1.0, b.value / std::max(1, ctx.T));
+    case Budget::Kind::kBytes: {
+      const double D = ctx.geometry.head_dim;
+      const double elem = static_cast<double>(kernels::dtype_bytes(ctx.dtype));
+      double per_token = 2.0 * D * elem;  // one kv head, one token, K and V
+      if (p.key_quant) {
+        const auto kq = kernels::quantized_bytes(*p.key_quant, 1, ctx.T, ctx.geometry.head_dim, ctx.dtype);
+        const auto vq = kernels::quantized_bytes(*p.value_quant, 1, ctx.T, ctx.geometry.head_dim, ctx.dtype);
+        per_token = static_cast<double>(kq.total + vq.total) / std::max(1, ctx.T);
+      }
+      const double full_tokens = static_cast<double>(ctx.T) * ctx.geometry.num_kv_heads * ctx.geometry.num_layers;
+      return std::min(1.0, b.value / (per_token * full_tokens));
+    }
+  }
+  return 1.0;
+}
+
+LayerResult run_policy_on_layer(const PolicySpec& p, double keep, LayerData& L, TraceContext& ctx,
+                                std::vector<std::string>& warnings) {
+  const auto& g = ctx.geometry;
+  const int H = g.num_kv_heads, Hq = g.num_q_heads, D = g.head_dim, T = ctx.T, S = ctx.S, G = g.group_size();
+  const int layer = L.layer();
+  const std::size_t TD = static_cast<std::size_t>(T) * static_cast<std::size_t>(D);
+  const std::int64_t elem = static_cast<std::int64_t>(kernels::dtype_bytes(ctx.dtype));
+  if (S <= 0) throw std::runtime_error("no evaluation queries");
+
+  // ---- 1. working heads (after optional head merging), float32 [Hw, T, D]
+  int Hw = H;
+  std::vector<std::int32_t> cluster(static_cast<std::size_t>(H));
+  std::iota(cluster.begin(), cluster.end(), 0);
+  std::vector<float> merged_k, merged_v;
+  const float* kwork = L.k_f32().data();
+  const float* vwork = L.v_f32().data();
+  const bool head_merge = p.compress_tokens && p.head_merge && H > 1;
+  if (head_merge) {
+    kernels::HeadMergeParams hp;
+    hp.num_kv_heads = H;
+    hp.num_q_heads = Hq;
+    hp.num_tokens = T;
+    hp.head_dim = D;
+    hp.threshold = p.head_merge_threshold;
+    hp.dtype = ctx.dtype;
+    std::vector<float> sim(static_cast<std::size_t>(H) * H);
+    std::vector<std::int32_t> qmap(static_cast<std::size_t>(Hq));
+    merged_k.resize(static_cast<std::size_t>(H) * TD);
+    merged_v.resize(static_cast<std::size_t>(H) * TD);
+    check(kernels::cpu::merge_heads(hp, L.prefill().k.data.data(), L.prefill().v.data.data(), nullptr, sim.data(),
+                                    cluster.data(), &Hw, merged_k.data(), merged_v.data(), qmap.data()),
+          "head merge");
+    kwork = merged_k.data();
+    vwork = merged_v.data();
+  }
+  std::vector<int> cluster_size(static_cast<std::size_t>(Hw), 0);
+  for (int h = 0; h < H; ++h) ++cluster_size[static_cast<std::size_t>(cluster[static_cast<std::size_t>(h)])];
+
+  // ---- 2. scores per original kv head, then averaged over each cluster -> [Hw, T]
+  std::vector<float> scores(static_cast<std::size_t>(Hw) * static_cast<std::size_t>(T), 0.0f);
+  std::vector<float> importance;  // merge weights, >= 0
+  std::vector<std::uint8_t> protect(static_cast<std::size_t>(T), 0);
+  PerModality mod_rate{};  // UniCache compression rate per modality
+  const bool vision_only = p.allocator == AllocatorKind::kVisionOnly;
+  bool keep_all = !p.compress_tokens || keep >= 1.0;
+  if (vision_only && layer < p.fastv_layer) keep_all = true;
+
+  if (!keep_all) {
+    std::vector<float> per_kv(static_cast<std::size_t>(H) * static_cast<std::size_t>(T));
+    switch (p.scorer) {
+      case ScorerKind::kNone:
+      case ScorerKind::kRecency:
+        for (int h = 0; h < H; ++h)
+          for (int t = 0; t < T; ++t) per_kv[static_cast<std::size_t>(h) * T + t] = static_cast<float>(t);
+        break;
+      case ScorerKind::kH2O: per_kv = L.h2o(); break;
+      case ScorerKind::kSnapKV: per_kv = L.snapkv(p.snapkv); break;
+      case ScorerKind::kTOVA: per_kv = L.tova(); break;
+      case ScorerKind::kKeyNorm:
+        per_kv = L.key_norm();
+        for (auto& x : per_kv) x = -x;
+        break;
+      case ScorerKind::kRandom:
+        for (int h = 0; h < H; ++h)
+          for (int t = 0; t < T; ++t) {
+            const std::uint64_t r = splitmix(p.seed * 0x100000001b3ull ^ (static_cast<std::uint64_t>(layer) << 40) ^
+                                             (static_cast<std::uint64_t>(h) << 24) ^ static_cast<std::uint64_t>(t));
+            per_kv[static_cast<std::size_t>(h) * T + t] = static_cast<float>(r >> 40) / 16777216.0f;
+          }
+        break;
+      case ScorerKind::kVisionStride:
+        for (int h = 0; h < H; ++h)
+          for (int t = 0; t < T; ++t)
+            per_kv[static_cast<std::size_t>(h) * T + t] =
+                stride_level(ctx.grid_row[static_cast<std::size_t>(t)], ctx.grid_col[static_cast<std::size_t>(t)]);
+        break;
+      case ScorerKind::kUniCache: {
+        const UniCacheConfig& u = p.unicache;
+        kernels::UniCacheParams up;
+        up.w_a = u.w_a;
+        up.w_c = u.w_c;
+        up.w_d = u.w_d;
+        up.w_r = u.w_r;
+        const int third = std::max(1, g.num_layers / 3);
+        if (layer < third) up.w_d = u.shallow_w_d;
+        if (layer >= g.num_layers - third) up.w_a = u.deep_w_a;
+        kernels::UniCacheInputs in;
+        in.attention = L.h2o().data();
+        in.cross = L.cross_received().data();
+        in.redundancy = L.redundancy(u.seq_radius, u.grid_radius).data();
+        in.modality = ctx.modality.data();
+        in.num_heads = H;
+        in.num_tokens = T;
+        check(kernels::cpu::unicache_score(in, up, per_kv.data()), "UniCache score");
+        break;
+      }
+    }
+    for (int h = 0; h < H; ++h) {
+      const int w = cluster[static_cast<std::size_t>(h)];
+      const float inv = 1.0f / static_cast<float>(cluster_size[static_cast<std::size_t>(w)]);
+      for (int t = 0; t < T; ++t)
+        scores[static_cast<std::size_t>(w) * T + t] += inv * per_kv[static_cast<std::size_t>(h) * T + t];
+    }
+    if (p.executor != ExecutorKind::kEvict) {
+      // Merge weights: attention-like scores shifted to be non-negative.
+      importance = scores;
+      for (int w = 0; w < Hw; ++w) {
+        float mn = 0;
+        for (int t = 0; t < T; ++t) mn = std::min(mn, importance[static_cast<std::size_t>(w) * T + t]);
+        for (int t = 0; t < T; ++t) importance[static_cast<std::size_t>(w) * T + t] += -mn + 1e-6f;
+      }
+    }
+  }
+
+  // ---- 3. budgets
+  int k = T;
+  int sinks = std::min(p.sinks, T), recent = std::min(p.recent, T);
+  kernels::SelectParams sp;
+  if (!keep_all) {
+    double frac = keep;
+    if (p.allocator == AllocatorKind::kPyramid && g.num_layers > 1) {
+      frac = keep * (1.0 + p.pyramid_spread * (1.0 - 2.0 * layer / (g.num_layers - 1)));
+    }
+    if (p.allocator == AllocatorKind::kUniCache) {
+      // Cosine schedule, rescaled so its mean keep fraction equals `keep`.
+      double mean = 0;
+      for (int l = 0; l < g.num_layers; ++l) mean += 1.0 - unicache_rate(p.unicache, l, g.num_layers);
+      mean /= g.num_layers;
+      frac = (1.0 - unicache_rate(p.unicache, layer, g.num_layers)) * keep / mean;
+    }
+    frac = std::clamp(frac, 0.0, 1.0);
+    k = std::clamp(static_cast<int>(std::lround(frac * T)), 1, T);
+    recent = std::max(recent, static_cast<int>(std::lround(p.recent_fraction * k)));
+
+    const PerModalityCount& n = ctx.tokens;
+    if (vision_only) {
+      // Every non-vision token is kept; the budget left goes to vision.
+      for (int t = 0; t < T; ++t) protect[static_cast<std::size_t>(t)] = ctx.modality[static_cast<std::size_t>(t)] != kVision;
+    }
+    if (p.allocator == AllocatorKind::kHybrid) {
+      sp.use_modality_budgets = true;
+      const int k_text = static_cast<int>(std::min<std::int64_t>(n[kText], std::lround(p.hybrid_text_share * k)));
+      int rest = k - k_text;
+      std::int64_t others = 0;
+      for (int m = 0; m < kModalities; ++m) others += m == kText ? 0 : n[static_cast<std::size_t>(m)];
+      sp.modality_budget[kText] = k_text;
+      int given = 0;
+      for (int m = 0; m < kModalities; ++m) {
+        if (m == kText) continue;
+        const int km = others ? static_cast<int>(std::floor(static_cast<double>(rest) * n[static_cast<std::size_t>(m)] / others)) : 0;
+        sp.modality_budget[m] = km;
+        given += km;
+      }
+      sp.modality_budget[kVision] += rest - given;
+    }
+    if (p.allocator == AllocatorKind::kUniCache) {
+      const UniCacheConfig& u = p.unicache;
+      const double rate = 1.0 - static_cast<double>(k) / T;  // this layer's overall compression rate
+      // Density: the more similar a modality's keys are to each other, the more it is compressed.
+      const PerModality& sim = L.modality_similarity();
+      double wsum = 0, nsum = 0;
+      for (int m : {kText, kVision, 2}) {
+        wsum += n[static_cast<std::size_t>(m)] * std::max(0.05, sim[static_cast<std::size_t>(m)]);
+        nsum += static_cast<double>(n[static_cast<std::size_t>(m)]);
+      }
+      const double mean_sim = nsum > 0 ? wsum / nsum : 1.0;
+      double removed_target = rate * T, removed = 0;
+      for (int m : {kText, kVision, 2}) {
+        const double cap = m == kText ? u.text_cap : u.vision_cap;
+        const double r = rate * std::max(0.05, sim[static_cast<std::size_t>(m)]) / mean_sim;
+        mod_rate[static_cast<std::size_t>(m)] = std::clamp(r, 0.0, cap);
+        removed += mod_rate[static_cast<std::size_t>(m)] * n[static_cast<std::size_t>(m)];
+      }
+      // Overflow: what a capped modality could not remove moves to the others (up to their caps).
+      for (int pass = 0; pass < 2 && removed + 0.5 < removed_target; ++pass) {
+        for (int m : {kVision, 2, kText}) {
+          const double cap = m == kText ? u.text_cap : u.vision_cap;
+          const double nm = static_cast<double>(n[static_cast<std::size_t>(m)]);
+          if (nm <= 0) continue;
+          const double room = (cap - mod_rate[static_cast<std::size_t>(m)]) * nm;
+          const double take = std::min(room, removed_target - removed);
+          if (take > 0) {
+            mod_rate[static_cast<std::size_t>(m)] += take / nm;
+            removed += take;
+          }
+        }
+      }
+      sp.use_modality_budgets = true;
+      int total = 0;
+      for (int m = 0; m < kModalities; ++m) {
+        const double nm = static_cast<double>(n[static_cast<std::size_t>(m)]);
+        const int km = static_cast<int>(std::lround(nm * (1.0 - mod_rate[static_cast<std::size_t>(m)])));
+        sp.modality_budget[m] = km;
+        total += km;
+      }
+      k = std::max(1, total);
+      // Alignment protection: tokens whose cross-modal attention share exceeds the threshold
+      // get a discounted rate: the best (1 - discount * rate) of them are always kept.
+      const auto& given = L.cross_given();
+      for (int m = 0; m < kModalities; ++m) {
+        std::vector<std::pair<float, int>> align;
+        for (int t = 0; t < T; ++t) {
+          if (ctx.modality[static_cast<std::size_t>(t)] != m) continue;
+          float share = 0, score = 0;
+          for (int h = 0; h < H; ++h) share += given[static_cast<std::size_t>(h) * T + t];
+          for (int w = 0; w < Hw; ++w) score += scores[static_cast<std::size_t>(w) * T + t];
+          if (share / H > u.align_threshold) align.emplace_back(-score, t);
+        }
+        std::sort(align.begin(), align.end());
+        const double keep_align = 1.0 - u.align_discount * mod_rate[static_cast<std::size_t>(m)];
+        const std::size_t nkeep = static_cast<std::size_t>(std::ceil(keep_align * static_cast<double>(align.size())));
+        for (std::size_t i = 0; i < std::min(nkeep, align.size()); ++i) protect[static_cast<std::size_t>(align[i].second)] = 1;
+      }
+    }
+    // The forced set must fit: a budget below it is raised (with a warning), never zero tokens.
+    int forced = 0;
+    for (int t = 0; t < T; ++t) {
+      forced += (t < sinks || t >= T - recent || protect[static_cast<std::size_t>(t)]) ? 1 : 0;
+    }
+    if (forced > k) {
+      warnings.push_back("layer " + std::to_string(layer) + ": budget of " + std::to_string(k) +
+                         " tokens is below the forced set (" + std::to_string(forced) +
+                         " sinks/recent/protected tokens); keeping " + std::to_string(forced));
+      if (sp.use_modality_budgets) {
+        // Grow the per-modality budgets by the forced tokens they lack.
+        PerModalityCount fm{};
+        for (int t = 0; t < T; ++t)
+          if (t < sinks || t >= T - recent || protect[static_cast<std::size_t>(t)]) ++fm[ctx.modality[static_cast<std::size_t>(t)]];
+        k = 0;
+        for (int m = 0; m < kModalities; ++m) {
+          sp.modality_budget[m] = std::max<int>(sp.modality_budget[m], static_cast<int>(fm[static_cast<std::size_t>(m)]));
+          k += sp.modality_budget[m];
+        }
+      } else {
+        k = forced;
+      }
+    }
+    if (k >= T) keep_all = true;
+  }
+
+  // ---- 4. selection -> kept [Hw, k]
+  std::vector<std::int32_t> kept;
+  std::vector<std::int32_t> counts(static_cast<std::size_t>(Hw), k);
+  if (keep_all) {
+    k = T;
+    kept.resize(static_cast<std::size_t>(Hw) * T);
+    for (int w = 0; w < Hw; ++w)
+      for (int t = 0; t < T; ++t) kept[static_cast<std::size_t>(w) * T + t] = t;
+    counts.assign(static_cast<std::size_t>(Hw), T);
+  } else {
+    sp.k = k;
+    sp.modality = ctx.modality.data();
+    sp.num_sinks = sinks;
+    sp.recent_window = recent;
+    sp.protected_mask = protect.data();
+    sp.redistribute_leftover = true;
+    kept.assign(static_cast<std::size_t>(Hw) * k, -1);
+    if (p.shared_heads) {
+      std::int32_t c = 0;
+      std::vector<std::int32_t> one(static_cast<std::size_t>(k));
+      check(kernels::cpu::select_topk_shared(scores.data(), Hw, T, sp, one.data(), &c), "select (shared)");
+      for (int w = 0; w < Hw; ++w) {
+        std::copy(one.begin(), one.end(), kept.begin() + static_cast<std::ptrdiff_t>(w) * k);
+        counts[static_cast<std::size_t>(w)] = c;
+      }
+    } else {
+      check(kernels::cpu::select_topk(scores.data(), Hw, T, sp, kept.data(), counts.data()), "select");
+    }
+  }
+
+  // ---- 5. execute: slots per working head (float32), multiplicities, token -> slot
+  const bool merging = !keep_all && p.executor != ExecutorKind::kEvict;
+  std::vector<std::vector<float>> slot_k(static_cast<std::size_t>(Hw)), slot_v(static_cast<std::size_t>(Hw));
+  std::vector<std::vector<std::int32_t>> slot_n(static_cast<std::size_t>(Hw));
+  std::vector<std::int32_t> tok2slot(static_cast<std::size_t>(Hw) * T, -1);
+  for (int w = 0; w < Hw; ++w) {
+    const int K = counts[static_cast<std::size_t>(w)];
+    const std::int32_t* kw = &kept[static_cast<std::size_t>(w) * k];
+    auto& sk = slot_k[static_cast<std::size_t>(w)];
+    auto& sv = slot_v[static_cast<std::size_t>(w)];
+    auto& sn = slot_n[static_cast<std::size_t>(w)];
+    sk.resize(static_cast<std::size_t>(K) * D);
+    sv.resize(static_cast<std::size_t>(K) * D);
+    sn.assign(static_cast<std::size_t>(K), 1);
+    std::int32_t* t2s = &tok2slot[static_cast<std::size_t>(w) * T];
+    const float* kh = kwork + static_cast<std::size_t>(w) * TD;
+    const float* vh = vwork + static_cast<std::size_t>(w) * TD;
+    if (merging) {
+      kernels::MergeParams mp;
+      mp.num_heads = 1;
+      mp.num_tokens = T;
+      mp.head_dim = D;
+      mp.num_kept = K;
+      mp.window = p.merge_window;
+      mp.threshold = p.executor == ExecutorKind::kUniCache ? p.unicache.merge_threshold : p.merge_threshold;
+      mp.dtype = kernels::DType::kF32;
+      check(kernels::cpu::merge_tokens(mp, kh, vh, kw, &importance[static_cast<std::size_t>(w) * T], sk.data(),
+                                       sv.data(), sn.data(), t2s),
+            "merge");
+    } else {
+      kernels::CompactShape cs{1, T, D, kernels::DType::kF32};
+      kernels::KeptIndices ki{kw, nullptr, K};
+      kernels::CompactInputs ci;
+      ci.keys = kh;
+      ci.values = vh;
+      kernels::CompactOutputs co;
+      co.keys = sk.data();
+      co.values = sv.data();
+      check(kernels::cpu::compact(cs, ki, ci, co), "compact");
+      for (int s = 0; s < K; ++s) t2s[kw[s]] = s;
+    }
+  }
+
+  // ---- 6. quantize what is kept (fake quantization: the dequantized values are evaluated)
+  std::vector<Bytes> head_bytes(static_cast<std::size_t>(Hw));
+  for (int w = 0; w < Hw; ++w) {
+    const int K = counts[static_cast<std::size_t>(w)];
+    Bytes& b = head_bytes[static_cast<std::size_t>(w)];
+    if (p.key_quant && K > 0) {
+      for (int kv = 0; kv < 2; ++kv) {
+        const kernels::QuantSpec& q = kv == 0 ? *p.key_quant : *p.value_quant;
+        auto& data = kv == 0 ? slot_k[static_cast<std::size_t>(w)] : slot_v[static_cast<std::size_t>(w)];
+        std::vector<float> out(data.size());
+        kernels::QuantShape qs{1, K, D, kernels::DType::kF32};
+        check(kernels::cpu::quantize_dequantize(q, qs, data.data(), out.data()), "quantize");
+        data.swap(out);
+        const auto qb = kernels::quantized_bytes(q, 1, K, D, ctx.dtype);
+        b.kv += qb.codes;
+        b.scales += qb.scales;
+        b.zeros += qb.zeros;
+        b.residual += qb.residual;
+      }
+    } else {
+      b.kv = 2ll * K * D * elem;
+    }
+    if (merging) b.multiplicity = 4ll * K;
+  }
+  if (head_merge) head_bytes[0].index += 4ll * Hq;
+
+  // ---- 7. per original kv head: counts and bytes (a merged head's bytes are shared by its members)
+  LayerResult res;
+  res.layer = layer;
+  res.merged_heads = Hw;
+  res.heads.resize(static_cast<std::size_t>(H));
+  for (int h = 0; h < H; ++h) {
+    const int w = cluster[static_cast<std::size_t>(h)];
+    const int K = counts[static_cast<std::size_t>(w)];
+    const double share = 1.0 / cluster_size[static_cast<std::size_t>(w)];
+    HeadResult& hr = res.heads[static_cast<std::size_t>(h)];
+    hr.kv_head = h;
+    hr.tokens = ctx.tokens;
+    hr.bytes_full.kv = 2ll * T * D * elem;
+    const Bytes& wb = head_bytes[static_cast<std::size_t>(w)];
+    hr.bytes_kept.kv = static_cast<std::int64_t>(std::llround(wb.kv * share));
+    hr.bytes_kept.scales = static_cast<std::int64_t>(std::llround(wb.scales * share));
+    hr.bytes_kept.zeros = static_cast<std::int64_t>(std::llround(wb.zeros * share));
+    hr.bytes_kept.residual = static_cast<std::int64_t>(std::llround(wb.residual * share));
+    hr.bytes_kept.multiplicity = static_cast<std::int64_t>(std::llround(wb.multiplicity * share));
+    hr.bytes_kept.index = h == 0 ? head_bytes[0].index : 0;
+    const std::int32_t* t2s = &tok2slot[static_cast<std::size_t>(w) * T];
+    std::vector<char> is_kept(static_cast<std::size_t>(T), 0);
+    for (int s = 0; s < K; ++s) is_kept[static_cast<std::size_t>(kept[static_cast<std::size_t>(w) * k + s])] = 1;
+    PerModalityCount slots_m{};
+    for (int t = 0; t < T; ++t) {
+      const auto m = ctx.modality[static_cast<std::size_t>(t)];
+      if (is_kept[static_cast<std::size_t>(t)]) {
+        ++hr.kept[m];
+        ++slots_m[m];
+      } else if (t2s[t] >= 0) {
+        ++hr.merged[m];
+      } else {
+        ++hr.evicted[m];
+      }
+      hr.bytes_full_modality[m] += 2ll * D * elem;
+    }
+    const std::int64_t kept_total = hr.bytes_kept.total();
+    for (int m = 0; m < kModalities; ++m)
+      hr.bytes_kept_modality[static_cast<std::size_t>(m)] =
+          K ? static_cast<std::int64_t>(std::llround(static_cast<double>(kept_total) * slots_m[static_cast<std::size_t>(m)] / K)) : 0;
+  }
+
+  // ---- 8. quality on the evaluation queries
+  std::vector<std::int32_t> offsets(static_cast<std::size_t>(H) + 1, 0);
+  for (int h = 0; h < H; ++h) offsets[static_cast<std::size_t>(h) + 1] = offsets[static_cast<std::size_t>(h)] + counts[static_cast<std::size_t>(cluster[static_cast<std::size_t>(h)])];
+  const std::size_t total_slots = static_cast<std::size_t>(offsets.back());
+  std::vector<float> ck(total_slots * D), cv(total_slots * D);
+  std::vector<std::int32_t> cn(total_slots), ct2s(static_cast<std::size_t>(H) * T);
+  std::vector<std::uint8_t> cmod(total_slots);
+  for (int h = 0; h < H; ++h) {
+    const int w = cluster[static_cast<std::size_t>(h)];
+    const std::size_t o = static_cast<std::size_t>(offsets[static_cast<std::size_t>(h)]);
+    const int K = counts[static_cast<std::size_t>(w)];
+    std::copy(slot_k[static_cast<std::size_t>(w)].begin(), slot_k[static_cast<std::size_t>(w)].end(), ck.begin() + static_cast<std::ptrdiff_t>(o * D));
+    std::copy(slot_v[static_cast<std::size_t>(w)].begin(), slot_v[static_cast<std::size_t>(w)].end(), cv.begin() + static_cast<std::ptrdiff_t>(o * D));
+    std::copy(slot_n[static_cast<std::size_t>(w)].begin(), slot_n[static_cast<std::size_t>(w)].end(), cn.begin() + static_cast<std::ptrdiff_t>(o));
+    for (int s = 0; s < K; ++s) cmod[o + static_cast<std::size_t>(s)] = ctx.modality[static_cast<std::size_t>(kept[static_cast<std::size_t>(w) * k + s])];
+    std::copy_n(&tok2slot[static_cast<std::size_t>(w) * T], T, &ct2s[static_cast<std::size_t>(h) * T]);
+  }
+  kernels::CompressedCache cache;
+  cache.k = ck.data();
+  cache.v = cv.data();
+  cache.slot_offsets = offsets.data();
+  cache.multiplicity_i32 = cn.data();
+  cache.slot_modality = cmod.data();
+  cache.token_to_slot = ct2s.data();
+  kernels::EvaluateParams ep;
+  ep.num_q_heads = Hq;
+  ep.num_kv_heads = H;
+  ep.num_queries = S;
+  ep.num_tokens = T;
+  ep.head_dim = D;
+  ep.dtype = ctx.dtype;
+  ep.proportional_attention = p.proportional_attention;
+  const std::size_t nq = static_cast<std::size_t>(Hq) * S;
+  std::vector<float> err(nq), rec(nq), kl(nq), dent(nq), recm(nq * 4), mfull(nq * 4), mcomp(nq * 4);
+  kernels::EvaluateOutputs eo{err.data(), rec.data(), kl.data(), dent.data(), recm.data(), mfull.data(), mcomp.data()};
+  check(kernels::cpu::evaluate_attention(ep, L.decode().q.data.data(), L.prefill().k.data.data(),
+                                         L.prefill().v.data.data(), ctx.modality.data(), cache, eo),
+        "evaluate");
+  for (int h = 0; h < H; ++h) {
+    Quality& q = res.heads[static_cast<std::size_t>(h)].quality;
+    const double n = static_cast<double>(G) * S;
+    for (int j = h * G; j < (h + 1) * G; ++j) {
+      for (int i = 0; i < S; ++i) {
+        const std::size_t r = static_cast<std::size_t>(j) * S + i;
+        q.output_error += err[r] / n;
+        q.attention_recall += rec[r] / n;
+        q.kl += kl[r] / n;
+        q.entropy_delta += dent[r] / n;
+        for (int m = 0; m < kModalities; ++m) {
+          q.recall_modality[static_cast<std::size_t>(m)] += recm[r * 4 + static_cast<std::size_t>(m)] / n;
+          q.share_before[static_cast<std::size_t>(m)] += mfull[r * 4 + static_cast<std::size_t>(m)] / n;
+          q.share_after[static_cast<std::size_t>(m)] += mcomp[r * 4 + static_cast<std::size_t>(m)] / n;
+        }
+      }
+    }
+  }
+  return res;
+}
+
+}  // namespace kvscope::sim

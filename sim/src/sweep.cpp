@@ -1,0 +1,234 @@
+#include "kvscope/sim/sweep.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <sstream>
+#include <stdexcept>
+
+namespace kvscope::sim {
+
+void accumulate(HeadResult& d, const HeadResult& s, double w) {
+  d.bytes_full += s.bytes_full;
+  d.bytes_kept += s.bytes_kept;
+  for (int m = 0; m < kModalities; ++m) {
+    const auto i = static_cast<std::size_t>(m);
+    d.tokens[i] += s.tokens[i];
+    d.kept[i] += s.kept[i];
+    d.merged[i] += s.merged[i];
+    d.evicted[i] += s.evicted[i];
+    d.bytes_full_modality[i] += s.bytes_full_modality[i];
+    d.bytes_kept_modality[i] += s.bytes_kept_modality[i];
+    d.quality.recall_modality[i] += w * s.quality.recall_modality[i];
+    d.quality.share_before[i] += w * s.quality.share_before[i];
+    d.quality.share_after[i] += w * s.quality.share_after[i];
+  }
+  d.quality.output_error += w * s.quality.output_error;
+  d.quality.attention_recall += w * s.quality.attention_recall;
+  d.quality.kl += w * s.quality.kl;
+  d.quality.entropy_delta += w * s.quality.entropy_delta;
+}
+
+std::vector<Budget> parse_budget_list(const std::string& text) {
+  std::vector<Budget> out;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    if (item.find(':') != std::string::npos) {
+      double a = 0, b = 0, step = 0;
+      char c1 = 0, c2 = 0;
+      std::istringstream is(item);
+      if (!(is >> a >> c1 >> b >> c2 >> step) || c1 != ':' || c2 != ':' || !is.eof() || step <= 0 || a <= 0 ||
+          b > 1 || a > b) {
+        throw PolicyError("malformed budget range '" + item + "' (use START:STOP:STEP with 0 < START <= STOP <= 1)");
+      }
+      for (int i = 0;; ++i) {
+        const double x = std::round((a + i * step) * 1e9) / 1e9;
+        if (x > b + 1e-9) break;
+        std::ostringstream os;
+        os << x;
+        out.push_back(parse_budget(os.str()));
+      }
+    } else {
+      out.push_back(parse_budget(item));
+    }
+  }
+  if (out.empty()) throw PolicyError("empty budget list");
+  return out;
+}
+
+std::vector<SweepPoint> make_sweep_points(const std::vector<PolicySpec>& policies, const std::vector<Budget>& budgets) {
+  std::vector<SweepPoint> pts;
+  for (const auto& p : policies) {
+    if (!p.compress_tokens || p.adaptive) {
+      Budget none;
+      none.text = "-";
+      pts.push_back({p, none});
+      continue;
+    }
+    for (const auto& b : budgets) pts.push_back({p, b});
+  }
+  return pts;
+}
+
+namespace {
+std::string layer_list(const std::vector<int>& layers) {
+  std::string s;
+  for (std::size_t i = 0; i < layers.size(); ++i) {
+    std::size_t j = i;
+    while (j + 1 < layers.size() && layers[j + 1] == layers[j] + 1) ++j;
+    if (!s.empty()) s += ",";
+    s += std::to_string(layers[i]);
+    if (j > i) s += "-" + std::to_string(layers[j]);
+    i = j;
+  }
+  return s;
+}
+std::string fmt(double x) {
+  std::ostringstream o;
+  o.precision(3);
+  o << x;
+  return o.str();
+}
+}  // namespace
+
+std::vector<CollapseFlag> detect_collapse(const PointResult& pt, const CollapseThresholds& th, bool has_vision) {
+  std::vector<CollapseFlag> flags;
+  const int L = static_cast<int>(pt.layers.size());
+  if (L == 0) return flags;
+  constexpr std::size_t V = static_cast<std::size_t>(kernels::Modality::kVision);
+  if (has_vision) {
+    std::vector<int> blind;
+    double worst_recall = 1, worst_ratio = 1;
+    for (const auto& l : pt.layers) {
+      const Quality& q = l.total.quality;
+      const double ratio = q.share_before[V] > 1e-9 ? q.share_after[V] / q.share_before[V] : 1.0;
+      if (q.recall_modality[V] < th.blind_recall || ratio < th.blind_share) blind.push_back(l.layer);
+      worst_recall = std::min(worst_recall, q.recall_modality[V]);
+      worst_ratio = std::min(worst_ratio, ratio);
+    }
+    if (!blind.empty() && static_cast<double>(blind.size()) >= th.blind_layer_fraction * L) {
+      flags.push_back({"visual_blindness", blind,
+                       std::to_string(blind.size()) + "/" + std::to_string(L) + " layers with vision recall < " +
+                           fmt(th.blind_recall) + " or vision share < " + fmt(th.blind_share) +
+                           "x full; worst vision recall " + fmt(worst_recall) + ", worst share ratio " + fmt(worst_ratio),
+                       "lower the vision compression rate; protect alignment tokens more strongly"});
+    }
+  }
+  if (L >= 3) {
+    const int third = L / 3;
+    double shallow = 0, deep = 0;
+    std::vector<int> deep_layers;
+    for (int l = 0; l < third; ++l) shallow += pt.layers[static_cast<std::size_t>(l)].total.quality.output_error / third;
+    for (int l = L - third; l < L; ++l) {
+      deep += pt.layers[static_cast<std::size_t>(l)].total.quality.output_error / third;
+      deep_layers.push_back(l);
+    }
+    if (deep > th.drift_min_error && deep > th.drift_ratio * shallow) {
+      flags.push_back({"semantic_drift", deep_layers,
+                       "deep-third output error " + fmt(deep) + " vs shallow-third " + fmt(shallow) + " (> " +
+                           fmt(th.drift_ratio) + "x and > " + fmt(th.drift_min_error) + ")",
+                       "lower the deep layers' rates; quantize-only in deep layers"});
+    }
+  }
+  {
+    std::vector<int> rep;
+    double worst = 0;
+    for (const auto& l : pt.layers) {
+      if (l.total.quality.entropy_delta < th.repetition_entropy) rep.push_back(l.layer);
+      worst = std::min(worst, l.total.quality.entropy_delta);
+    }
+    if (!rep.empty() && static_cast<double>(rep.size()) >= th.repetition_layer_fraction * L) {
+      flags.push_back({"repetition", rep,
+                       std::to_string(rep.size()) + "/" + std::to_string(L) + " layers with entropy change < " +
+                           fmt(th.repetition_entropy) + " nats (worst " + fmt(worst) + ")",
+                       "lower the merge threshold; fewer merges"});
+    }
+  }
+  {
+    const int last = th.last_layers > 0 ? std::min(th.last_layers, L) : std::max(1, L / 8);
+    std::vector<int> over;
+    double worst = 0;
+    for (int l = L - last; l < L; ++l) {
+      const double kl = pt.layers[static_cast<std::size_t>(l)].total.quality.kl;
+      if (kl > th.overcompression_kl) over.push_back(l);
+      worst = std::max(worst, kl);
+    }
+    if (!over.empty()) {
+      flags.push_back({"over_compression", over,
+                       "KL " + fmt(worst) + " > " + fmt(th.overcompression_kl) + " in the last " + std::to_string(last) +
+                           " layers (" + layer_list(over) + ")",
+                       "back off the compression rate"});
+    }
+  }
+  return flags;
+}
+
+SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepPoint>& points,
+                      const SweepOptions& options) {
+  SweepOutput out;
+  TraceContext ctx = TraceContext::from_reader(reader);
+  if (ctx.S == 0) {
+    throw std::runtime_error(reader.path() +
+                             ": the trace has no decode steps (/decode/tokens/token_id is empty), so there are no "
+                             "evaluation queries to measure quality on; capture at least one generated token "
+                             "(kvcap run --max-new N, or kvcap synth --decode N)");
+  }
+  const int L = ctx.geometry.num_layers;
+  out.points.resize(points.size());
+  std::vector<double> keep(points.size(), 1.0);
+  std::vector<std::vector<std::string>> warn(points.size());
+  const std::size_t total = points.size() * static_cast<std::size_t>(L);
+  std::size_t done = 0;
+  for (std::size_t i = 0; i < points.size(); ++i) {
+    out.points[i].policy = points[i].policy.name;
+    out.points[i].budget = points[i].budget.text.empty() ? "-" : points[i].budget.text;
+  }
+  for (int l = 0; l < L; ++l) {
+    LayerData layer(l, reader.read_layer(l), reader.read_decode_layer(l), ctx);
+    if (l == 0) {
+      // Adaptive complexity from the original input: log V + log T_text + 2 N_align / (T_text + V),
+      // alignment tokens being those whose layer-0 cross-modal attention share exceeds 0.3.
+      const auto& given = layer.cross_given();
+      int n_align = 0;
+      for (int t = 0; t < ctx.T; ++t) {
+        double s = 0;
+        for (int h = 0; h < ctx.geometry.num_kv_heads; ++h) s += given[static_cast<std::size_t>(h) * ctx.T + t];
+        if (s / ctx.geometry.num_kv_heads > 0.3) ++n_align;
+      }
+      const double V = static_cast<double>(std::max<std::int64_t>(1, ctx.tokens[1]));
+      const double Tt = static_cast<double>(std::max<std::int64_t>(1, ctx.tokens[0]));
+      ctx.complexity = std::log(V) + std::log(Tt) + 2.0 * n_align / (Tt + V);
+      ctx.complexity_known = true;
+      for (std::size_t i = 0; i < points.size(); ++i) {
+        keep[i] = keep_fraction(points[i].policy, points[i].budget, ctx);
+        out.points[i].budget_value = keep[i];
+      }
+    }
+    for (std::size_t i = 0; i < points.size(); ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      out.points[i].layers.push_back(run_policy_on_layer(points[i].policy, keep[i], layer, ctx, warn[i]));
+      out.points[i].seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (options.progress) options.progress(++done, total);
+    }
+  }
+  const bool has_vision = ctx.tokens[static_cast<std::size_t>(kernels::Modality::kVision)] > 0;
+  for (std::size_t i = 0; i < points.size(); ++i) {
+    PointResult& pt = out.points[i];
+    for (auto& lr : pt.layers) {
+      const double w = 1.0 / static_cast<double>(lr.heads.size());
+      for (const auto& h : lr.heads) accumulate(lr.total, h, w);
+      accumulate(pt.total, lr.total, 1.0 / L);
+    }
+    pt.flags = detect_collapse(pt, options.thresholds, has_vision);
+    const auto& w = warn[i];
+    for (std::size_t j = 0; j < w.size() && j < 3; ++j) out.warnings.push_back(pt.policy + "@" + pt.budget + ": " + w[j]);
+    if (w.size() > 3) {
+      out.warnings.push_back(pt.policy + "@" + pt.budget + ": ... and " + std::to_string(w.size() - 3) +
+                             " more layers with the same clamp");
+    }
+  }
+  return out;
+}
+
+}  // namespace kvscope::sim

@@ -1,0 +1,188 @@
+#include "sweep_command.hpp"
+
+#include <boost/program_options.hpp>
+
+#include <iostream>
+#include <sstream>
+
+#include "kvscope/cli/progress.hpp"
+#include "kvscope/kernels/common.hpp"
+#include "kvscope/sim/info.hpp"
+#include "kvscope/sim/pareto.hpp"
+#include "kvscope/sim/report.hpp"
+#include "kvscope/sim/sweep.hpp"
+
+namespace po = boost::program_options;
+
+namespace kvscope::sim {
+
+namespace {
+
+constexpr const char* kDefaultPolicies =
+    "full,window,streamingllm,h2o,snapkv,pyramidkv,tova,knorm,random,fastv,vision-stride,hybridkv,look-m,unicache,"
+    "adaptive,int8,int4,kivi2,h2o+int8,snapkv+int4";
+constexpr const char* kDefaultBudgets = "0.1:0.9:0.1";
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    if (!item.empty()) out.push_back(item);
+  }
+  return out;
+}
+
+std::string policy_help(const PolicyRegistry& reg) {
+  std::ostringstream o;
+  o << "Policies (docs/policies.md has sources and every parameter):\n";
+  for (const auto& [name, p] : reg.presets()) o << "  " << name << std::string(name.size() < 24 ? 24 - name.size() : 1, ' ') << p.description << "\n";
+  o << "  A+Q                     eviction/merge policy A, then quantizer Q (int8, int8-head, int4, kivi2), e.g. h2o+int8\n"
+       "  adaptive-A              policy A with the complexity-driven rate in [0.40, 0.75]\n"
+       "Budgets: a fraction of context tokens kept per layer and head (0.3), tokens (512tok) or total\n"
+       "bytes over all layers (64MiB, 1.5GB). Quantization-only policies and adaptive ignore budgets.\n";
+  return o.str();
+}
+
+}  // namespace
+
+int run_sweep_command(const std::string& command, const std::vector<std::string>& args, const std::string& argv_line) {
+  const bool sweep = command == "sweep";
+  PolicyRegistry registry;
+  const std::string usage =
+      sweep ? "kvsim sweep --trace FILE [--policies a,b,...] [--budgets 0.1:0.9:0.1,512tok,64MiB] [-o results.h5] "
+              "[--csv results.csv]\n\n"
+              "Replays the trace through every policy at every budget, one layer at a time (memory stays\n"
+              "bounded by one layer), and prints memory and quality per point with the Pareto front of\n"
+              "memory vs output error and the collapse flags. Per-layer statistics (attention scores,\n"
+              "key norms, redundancy) are computed once and shared by all policies.\n\nOptions"
+            : "kvsim run --trace FILE --policy NAME[@BUDGET] [-o results.h5] [--csv results.csv]\n\n"
+              "Replays the trace through one policy and prints memory and quality, overall and per layer.\n\n"
+              "Options";
+  po::options_description opts(usage);
+  opts.add_options()("help,h", "show this help")("trace,t", po::value<std::string>(), "trace file (kvscope-trace v1)");
+  if (sweep) {
+    opts.add_options()("policies,p", po::value<std::string>()->default_value(kDefaultPolicies),
+                       "comma-separated policies")(
+        "budgets,b", po::value<std::string>()->default_value(kDefaultBudgets),
+        "comma-separated budgets; START:STOP:STEP ranges of fractions allowed");
+  } else {
+    opts.add_options()("policy,p", po::value<std::string>(), "policy with optional budget, e.g. h2o@0.3, unicache, int8");
+  }
+  opts.add_options()("policy-file", po::value<std::vector<std::string>>()->composing(),
+                     "INI file with [policy NAME] sections (base = PRESET, parameters; docs/policies.md)")(
+      "output,o", po::value<std::string>(), "write results to this HDF5 file (docs/results-format.md)")(
+      "csv", po::value<std::string>(), "write results to this CSV file (one row per point x layer x modality)")(
+      "threads", po::value<int>()->default_value(0), "CPU threads for the kernels (0 = all cores)")(
+      "layers", "also print the per-layer table of each point")(
+      "blind-recall", po::value<double>()->default_value(0.5), "visual blindness: vision recall threshold")(
+      "kl-threshold", po::value<double>()->default_value(0.1), "over-compression: KL threshold in the last layers")(
+      "quiet,q", "no progress bar");
+  po::variables_map vm;
+  const std::string name = "kvsim " + command;
+  try {
+    po::store(po::command_line_parser(args).options(opts).run(), vm);
+    if (vm.count("help")) {
+      std::cout << opts << "\n" << policy_help(registry);
+      return 0;
+    }
+    po::notify(vm);
+  } catch (const po::error& e) {
+    std::cerr << name << ": " << e.what() << " (see " << name << " --help)\n";
+    return 2;
+  }
+  if (!vm.count("trace")) {
+    std::cerr << name << ": missing --trace FILE (see " << name << " --help)\n";
+    return 2;
+  }
+  if (!sweep && !vm.count("policy")) {
+    std::cerr << name << ": missing --policy NAME[@BUDGET] (see " << name << " --help)\n";
+    return 2;
+  }
+  const int threads = vm["threads"].as<int>();
+  if (threads < 0) {
+    std::cerr << name << ": --threads must be >= 0\n";
+    return 2;
+  }
+  kernels::set_cpu_threads(threads);
+  std::vector<SweepPoint> points;
+  try {
+    if (vm.count("policy-file")) {
+      for (const auto& f : vm["policy-file"].as<std::vector<std::string>>()) registry.load_ini(f);
+    }
+    if (sweep) {
+      std::vector<PolicySpec> pols;
+      for (const auto& n : split(vm["policies"].as<std::string>())) pols.push_back(registry.get(n));
+      if (pols.empty()) throw PolicyError("--policies is empty");
+      points = make_sweep_points(pols, parse_budget_list(vm["budgets"].as<std::string>()));
+    } else {
+      auto [pname, budget] = split_policy_budget(vm["policy"].as<std::string>());
+      PolicySpec p = registry.get(pname);
+      if (budget.kind == Budget::Kind::kNone) budget.text = "-";
+      points.push_back({p, budget});
+    }
+  } catch (const PolicyError& e) {
+    std::cerr << name << ": " << e.what() << "\n";
+    return 2;
+  }
+  try {
+    trace::TraceReader reader(vm["trace"].as<std::string>());
+    const TraceSummary summary = summarize(reader);
+    SweepOptions so;
+    so.thresholds.blind_recall = vm["blind-recall"].as<double>();
+    so.thresholds.overcompression_kl = vm["kl-threshold"].as<double>();
+    cli::ProgressBar bar(name, points.size() * static_cast<std::size_t>(reader.geometry().num_layers), !vm.count("quiet"));
+    so.progress = [&](std::size_t done, std::size_t) { bar.update(done); };
+    SweepOutput out = run_sweep(reader, points, so);
+    bar.finish();
+    mark_pareto(out.points);
+    for (const auto& w : out.warnings) std::cerr << name << ": warning: " << w << "\n";
+    std::cout << "trace " << reader.path() << ": " << summary.header.geometry.model_name
+              << (summary.header.synthetic ? " (SYNTHETIC)" : "") << ", " << summary.num_tokens << " tokens ("
+              << summary.tokens_per_modality[0] << " text, " << summary.tokens_per_modality[1] << " vision, "
+              << summary.tokens_per_modality[2] << " audio, " << summary.tokens_per_modality[3] << " special), "
+              << summary.num_decode_steps << " evaluation queries, " << summary.header.geometry.num_layers << " layers\n\n";
+    std::cout << format_table(out.points);
+    for (const auto& pt : out.points) {
+      for (const auto& f : pt.flags) {
+        std::cout << "  " << pt.policy << "@" << pt.budget << ": " << f.mode << " in layers "
+                  << format_layer_ranges(f.layers) << ": " << f.evidence << "; fix: " << f.suggested_fix << "\n";
+      }
+    }
+    if (vm.count("layers")) {
+      for (const auto& pt : out.points) {
+        std::cout << "\n" << pt.policy << "@" << pt.budget << " per layer\n";
+        std::printf("  %-6s %10s %10s %10s %10s %10s %10s\n", "layer", "bytes", "error", "recall", "rec_text",
+                    "rec_vision", "kl");
+        for (const auto& l : pt.layers) {
+          const auto& q = l.total.quality;
+          std::printf("  %-6d %10.4f %10.4f %10.4f %10.4f %10.4f %10.4f\n", l.layer,
+                      l.total.bytes_full.total() ? static_cast<double>(l.total.bytes_kept.total()) / l.total.bytes_full.total() : 1.0,
+                      q.output_error, q.attention_recall, q.recall_modality[0], q.recall_modality[1], q.kl);
+        }
+        std::fflush(stdout);
+      }
+    }
+    const ResultsMeta meta = results_meta(summary, argv_line);
+    if (vm.count("output")) {
+      write_hdf5(vm["output"].as<std::string>(), out.points, meta);
+      std::cout << "\nresults: " << vm["output"].as<std::string>() << "\n";
+    }
+    if (vm.count("csv")) {
+      write_csv(vm["csv"].as<std::string>(), out.points, meta);
+      std::cout << (vm.count("output") ? "" : "\n") << "csv: " << vm["csv"].as<std::string>() << "\n";
+    }
+  } catch (const trace::TraceError& e) {
+    std::cerr << name << ": " << e.what() << "\n";
+    return 2;
+  } catch (const ReportError& e) {
+    std::cerr << name << ": " << e.what() << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << name << ": " << e.what() << "\n";
+    return 2;
+  }
+  return 0;
+}
+
+}  // namespace kvscope::sim
