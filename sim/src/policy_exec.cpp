@@ -31,19 +31,6 @@ std::uint64_t splitmix(std::uint64_t x) {
 constexpr int kVision = static_cast<int>(kernels::Modality::kVision);
 constexpr int kText = static_cast<int>(kernels::Modality::kText);
 
-// Compression rate (fraction removed) of UniCache's cosine layer schedule.
-double unicache_rate(const UniCacheConfig& u, int layer, int num_layers) {
-  const double x = num_layers > 1 ? static_cast<double>(layer) / (num_layers - 1) : 0.0;
-  return u.rate_deep + (u.rate_shallow - u.rate_deep) * 0.5 * (1.0 + std::cos(M_PI * x)) + u.rate_offset;
-}
-
-// Adaptive fallback: more complex inputs get a gentler rate in [0.40, 0.75].
-double adaptive_rate(double complexity) {
-  const double lo = std::log(64.0) + std::log(16.0), hi = std::log(4608.0) + std::log(4096.0) + 0.3;
-  const double x = std::clamp((complexity - lo) / (hi - lo), 0.0, 1.0);
-  return 0.75 - 0.35 * x;
-}
-
 // Structured spatial priority of a vision token: log2 of the coarsest stride s whose
 // grid (row % s == 0 and col % s == 0) contains it, so any top-k is evenly spread.
 float stride_level(int row, int col) {
@@ -57,6 +44,17 @@ float stride_level(int row, int col) {
 }
 
 }  // namespace
+
+double unicache_rate(const UniCacheConfig& u, int layer, int num_layers) {
+  const double x = num_layers > 1 ? static_cast<double>(layer) / (num_layers - 1) : 0.0;
+  return u.rate_deep + (u.rate_shallow - u.rate_deep) * 0.5 * (1.0 + std::cos(M_PI * x)) + u.rate_offset;
+}
+
+double adaptive_rate(double complexity) {
+  const double lo = std::log(64.0) + std::log(16.0), hi = std::log(4608.0) + std::log(4096.0) + 0.3;
+  const double x = std::clamp((complexity - lo) / (hi - lo), 0.0, 1.0);
+  return 0.75 - 0.35 * x;
+}
 
 double keep_fraction(const PolicySpec& p, const Budget& b, const TraceContext& ctx) {
   if (!p.compress_tokens) return 1.0;

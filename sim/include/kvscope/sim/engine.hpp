@@ -70,6 +70,13 @@ class LayerData {
   bool have_similarity_ = false;
 };
 
+// UniCache layer schedule: compression rate (fraction removed) of a layer on a cosine
+// curve from cfg.rate_shallow (layer 0) to cfg.rate_deep (last layer), plus cfg.rate_offset.
+double unicache_rate(const UniCacheConfig& cfg, int layer, int num_layers);
+// Adaptive fallback: complexity log V + log T + 2 N_align / (T + V) mapped linearly onto a
+// rate from 0.75 (complexity <= log 64 + log 16) down to 0.40 (>= log 4608 + log 4096 + 0.3).
+double adaptive_rate(double complexity);
+
 // Target fraction of context tokens a layer keeps for a (policy, budget) pair:
 // converts token and byte budgets, applies adaptive rates. Returns 1 for policies
 // that do not compress tokens.

@@ -1,0 +1,269 @@
+// CPU compressed-cache evaluation against the float64 reference on random ragged
+// caches, plus the properties: an uncompressed cache is lossless, dropping a
+// modality gives R_m = 0, proportional attention equals duplicated tokens; and
+// argument validation.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/test_util.hpp"
+#include "kernels/reference_evaluate.hpp"
+#include "kvscope/kernels/evaluate.hpp"
+
+namespace kk = kvscope::kernels;
+using kvscope::testing::all_close;
+using kvscope::testing::EvalProblem;
+using kvscope::testing::make_eval_problem;
+using kvscope::testing::reference_evaluate;
+
+namespace {
+
+struct EvalResult {
+  std::vector<float> output_error, recall, kl, entropy_change, recall_modality, mass_full, mass_compressed;
+  kk::EvaluateOutputs outputs() {
+    return {output_error.data(),   recall.data(),          kl.data(),
+            entropy_change.data(), recall_modality.data(), mass_full.data(),
+            mass_compressed.data()};
+  }
+  explicit EvalResult(std::size_t rows)
+      : output_error(rows, -9.0f),
+        recall(rows, -9.0f),
+        kl(rows, -9.0f),
+        entropy_change(rows, -9.0f),
+        recall_modality(rows * 4, -9.0f),
+        mass_full(rows * 4, -9.0f),
+        mass_compressed(rows * 4, -9.0f) {}
+};
+
+EvalResult run_cpu(const EvalProblem& pr, const void* q = nullptr, const void* k = nullptr,
+                   const void* v = nullptr) {
+  EvalResult r(static_cast<std::size_t>(pr.params.num_q_heads) * pr.params.num_queries);
+  const kk::Status s =
+      kk::cpu::evaluate_attention(pr.params, q ? q : pr.q.data(), k ? k : pr.k.data(), v ? v : pr.v.data(),
+                                  pr.modality.data(), pr.cache(), r.outputs());
+  EXPECT_TRUE(s.ok()) << s.message();
+  return r;
+}
+
+std::string describe(const EvalProblem& pr) {
+  const auto& p = pr.params;
+  return "Hq=" + std::to_string(p.num_q_heads) + " Hkv=" + std::to_string(p.num_kv_heads) +
+         " Nq=" + std::to_string(p.num_queries) + " T=" + std::to_string(p.num_tokens) +
+         " D=" + std::to_string(p.head_dim) + " slots=" + std::to_string(pr.offsets.back()) +
+         " prop=" + std::to_string(p.proportional_attention) + " dtype=" + kk::dtype_name(p.dtype);
+}
+
+void expect_matches_reference(const EvalResult& got, const EvalProblem& pr, double tol) {
+  const auto ref = reference_evaluate(pr);
+  const std::string what = describe(pr);
+  EXPECT_TRUE(all_close(got.output_error, ref.output_error, tol, 1e-4, what + " output_error"));
+  EXPECT_TRUE(all_close(got.recall, ref.recall, tol, 1e-5, what + " recall"));
+  EXPECT_TRUE(all_close(got.kl, ref.kl, tol, 1e-4, what + " kl"));
+  EXPECT_TRUE(all_close(got.entropy_change, ref.entropy_change, tol, 1e-4, what + " entropy_change"));
+  EXPECT_TRUE(all_close(got.recall_modality, ref.recall_modality, tol, 1e-5, what + " recall_modality"));
+  EXPECT_TRUE(all_close(got.mass_full, ref.mass_full, tol, 1e-5, what + " mass_full"));
+  EXPECT_TRUE(all_close(got.mass_compressed, ref.mass_compressed, tol, 1e-5, what + " mass_compressed"));
+}
+
+// Compressed cache = the full cache: one slot per token, n = 1.
+void make_lossless(EvalProblem& pr, bool int_mult) {
+  const int Hkv = pr.params.num_kv_heads, T = pr.params.num_tokens;
+  pr.slot_k = pr.k;
+  pr.slot_v = pr.v;
+  pr.offsets.clear();
+  for (int h = 0; h <= Hkv; ++h) pr.offsets.push_back(h * T);
+  pr.mult_f32.clear();
+  pr.mult_i32.clear();
+  if (int_mult) {
+    pr.mult_i32.assign(static_cast<std::size_t>(Hkv) * T, 1);
+  } else {
+    pr.mult_f32.assign(static_cast<std::size_t>(Hkv) * T, 1.0f);
+  }
+  pr.slot_modality.clear();
+  for (int h = 0; h < Hkv; ++h)
+    pr.slot_modality.insert(pr.slot_modality.end(), pr.modality.begin(), pr.modality.end());
+  for (int h = 0; h < Hkv; ++h)
+    for (int t = 0; t < T; ++t) pr.token_to_slot[static_cast<std::size_t>(h) * T + t] = t;
+}
+
+}  // namespace
+
+TEST(EvaluateCpu, MatchesFloat64Reference) {
+  struct Shape {
+    int Hq, Hkv, Nq, T, D;
+  };
+  const Shape shapes[] = {{1, 1, 1, 1, 1},     {2, 1, 3, 7, 5},     {4, 2, 5, 33, 16},
+                          {6, 3, 17, 130, 64}, {8, 2, 4, 577, 128}, {3, 3, 2, 40, 37}};
+  std::uint64_t seed = 1000;
+  for (const Shape& sh : shapes) {
+    for (int variant = 0; variant < 3; ++variant) {
+      EvalProblem pr = make_eval_problem(sh.Hq, sh.Hkv, sh.Nq, sh.T, sh.D, seed++, variant == 1);
+      pr.params.proportional_attention = variant != 2;
+      expect_matches_reference(run_cpu(pr), pr, 2e-5);
+    }
+  }
+}
+
+TEST(EvaluateCpu, HalfAndBfloat16Inputs) {
+  for (kk::DType dt : {kk::DType::kF16, kk::DType::kBF16}) {
+    EvalProblem pr = make_eval_problem(4, 2, 3, 70, 32, 55);
+    pr.params.dtype = dt;
+    auto encode = [&](std::vector<float>& x) {
+      std::vector<std::uint16_t> b(x.size());
+      for (std::size_t i = 0; i < x.size(); ++i) {
+        b[i] = dt == kk::DType::kF16 ? kk::float_to_half(x[i]) : kk::float_to_bf16(x[i]);
+        x[i] = kk::load_element(b.data(), dt, i);
+      }
+      return b;
+    };
+    const auto qb = encode(pr.q), kb = encode(pr.k), vb = encode(pr.v);
+    expect_matches_reference(run_cpu(pr, qb.data(), kb.data(), vb.data()), pr, 2e-5);
+  }
+}
+
+TEST(EvaluateCpu, UncompressedCacheIsLossless) {
+  for (bool int_mult : {false, true}) {
+    EvalProblem pr = make_eval_problem(4, 2, 6, 300, 64, 7);
+    make_lossless(pr, int_mult);
+    const EvalResult r = run_cpu(pr);
+    for (std::size_t i = 0; i < r.recall.size(); ++i) {
+      EXPECT_LE(r.output_error[i], 1e-6f) << i;
+      EXPECT_NEAR(r.recall[i], 1.0f, 1e-6f) << i;
+      EXPECT_NEAR(r.kl[i], 0.0f, 1e-6f) << i;
+      EXPECT_NEAR(r.entropy_change[i], 0.0f, 1e-6f) << i;
+      for (int m = 0; m < 4; ++m) {
+        EXPECT_EQ(r.recall_modality[i * 4 + m], 1.0f);
+        EXPECT_NEAR(r.mass_full[i * 4 + m], r.mass_compressed[i * 4 + m], 1e-6f);
+      }
+    }
+  }
+}
+
+TEST(EvaluateCpu, DroppingAModalityGivesZeroModalityRecall) {
+  EvalProblem pr = make_eval_problem(2, 2, 5, 100, 16, 8);
+  make_lossless(pr, false);
+  for (int h = 0; h < 2; ++h)
+    for (int t = 0; t < 100; ++t)
+      if (pr.modality[t] == 1) pr.token_to_slot[h * 100 + t] = -1;
+  const EvalResult r = run_cpu(pr);
+  for (std::size_t i = 0; i < r.recall.size(); ++i) {
+    EXPECT_GT(r.mass_full[i * 4 + 1], 0.0f);
+    EXPECT_EQ(r.recall_modality[i * 4 + 1], 0.0f);
+    EXPECT_NEAR(r.recall_modality[i * 4 + 0], 1.0f, 1e-6f);
+    EXPECT_NEAR(r.recall[i], 1.0f - r.mass_full[i * 4 + 1], 1e-5f);
+  }
+}
+
+TEST(EvaluateCpu, ProportionalAttentionEqualsDuplicatedTokens) {
+  // Full cache: token u repeated n_u times; compressed: one slot per distinct token with n_u.
+  const int Hq = 2, Hkv = 1, Nq = 4, U = 20, D = 16;
+  const auto uk = kvscope::testing::random_normal(static_cast<std::size_t>(U) * D, 31);
+  const auto uv = kvscope::testing::random_normal(static_cast<std::size_t>(U) * D, 32);
+  EvalProblem pr;
+  pr.params = {Hq, Hkv, Nq, 0, D, kk::DType::kF32, true};
+  pr.q = kvscope::testing::random_normal(static_cast<std::size_t>(Hq) * Nq * D, 33);
+  pr.offsets = {0, U};
+  pr.slot_k = uk;
+  pr.slot_v = uv;
+  for (int u = 0; u < U; ++u) {
+    const int n = 1 + (u * 7) % 5;
+    pr.mult_i32.push_back(n);
+    pr.slot_modality.push_back(static_cast<std::uint8_t>(u % 2));
+    for (int c = 0; c < n; ++c) {
+      pr.k.insert(pr.k.end(), uk.begin() + u * D, uk.begin() + (u + 1) * D);
+      pr.v.insert(pr.v.end(), uv.begin() + u * D, uv.begin() + (u + 1) * D);
+      pr.modality.push_back(static_cast<std::uint8_t>(u % 2));
+      pr.token_to_slot.push_back(u);
+    }
+  }
+  pr.params.num_tokens = static_cast<int>(pr.modality.size());
+  const EvalResult r = run_cpu(pr);
+  for (std::size_t i = 0; i < r.recall.size(); ++i) {
+    EXPECT_LE(r.output_error[i], 1e-5f) << i;
+    EXPECT_NEAR(r.kl[i], 0.0f, 1e-6f) << i;
+    for (int m = 0; m < 4; ++m) EXPECT_NEAR(r.mass_full[i * 4 + m], r.mass_compressed[i * 4 + m], 1e-6f);
+  }
+  pr.params.proportional_attention = false;  // without log n the duplicates are under-weighted
+  const EvalResult off = run_cpu(pr);
+  EXPECT_GT(off.output_error[0], 1e-3f);
+}
+
+TEST(EvaluateCpu, EverythingEvictedAndEmptyHeads) {
+  EvalProblem pr = make_eval_problem(2, 2, 3, 25, 8, 12);
+  for (auto& m : pr.token_to_slot) m = -1;
+  // head 1 has no slots at all
+  const int s0 = pr.offsets[1];
+  pr.slot_k.resize(static_cast<std::size_t>(s0) * 8);
+  pr.slot_v.resize(static_cast<std::size_t>(s0) * 8);
+  pr.mult_f32.resize(s0);
+  pr.slot_modality.resize(s0);
+  pr.offsets[2] = s0;
+  const EvalResult r = run_cpu(pr);
+  expect_matches_reference(r, pr, 2e-5);
+  for (std::size_t i = 0; i < r.recall.size(); ++i) {
+    EXPECT_EQ(r.recall[i], 0.0f);
+    EXPECT_EQ(r.kl[i], 0.0f);
+    EXPECT_TRUE(std::isfinite(r.entropy_change[i]));
+  }
+  for (std::size_t i = 3; i < 6; ++i) EXPECT_NEAR(r.output_error[i], 1.0f, 1e-6f);  // o~ = 0
+}
+
+TEST(EvaluateCpu, NullOutputsAreSkipped) {
+  EvalProblem pr = make_eval_problem(2, 1, 2, 10, 4, 3);
+  std::vector<float> recall(4, -1.0f);
+  kk::EvaluateOutputs out;
+  out.recall = recall.data();
+  ASSERT_TRUE(kk::cpu::evaluate_attention(pr.params, pr.q.data(), pr.k.data(), pr.v.data(),
+                                          pr.modality.data(), pr.cache(), out)
+                  .ok());
+  const auto ref = reference_evaluate(pr);
+  EXPECT_TRUE(all_close(recall, ref.recall, 1e-6, 1e-5, "recall only"));
+}
+
+TEST(EvaluateCpu, RejectsBadArguments) {
+  EvalProblem pr = make_eval_problem(4, 2, 2, 12, 8, 4);
+  EvalResult r(8);
+  auto call = [&](const EvalProblem& x) {
+    return kk::cpu::evaluate_attention(x.params, x.q.data(), x.k.data(), x.v.data(), x.modality.data(),
+                                       x.cache(), r.outputs());
+  };
+  EXPECT_TRUE(call(pr).ok());
+  EvalProblem bad = pr;
+  bad.params.num_q_heads = 3;
+  EXPECT_FALSE(call(bad).ok());
+  bad = pr;
+  bad.params.head_dim = 0;
+  EXPECT_FALSE(call(bad).ok());
+  bad = pr;
+  bad.modality[3] = 4;
+  kk::Status s = call(bad);
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("modality[3]"), std::string::npos) << s.message();
+  bad = pr;
+  bad.token_to_slot[12 + 5] = pr.offsets[2] - pr.offsets[1];  // one past head 1's slots
+  EXPECT_FALSE(call(bad).ok());
+  bad = pr;
+  bad.token_to_slot[0] = -2;
+  EXPECT_FALSE(call(bad).ok());
+  bad = pr;
+  bad.mult_f32[0] = 0.0f;
+  EXPECT_FALSE(call(bad).ok());
+  bad = pr;
+  bad.mult_i32.assign(bad.mult_f32.size(), 1);  // both multiplicity arrays set
+  EXPECT_FALSE(call(bad).ok());
+  bad = pr;
+  bad.offsets[1] = bad.offsets[2] + 1;  // decreasing
+  EXPECT_FALSE(call(bad).ok());
+  bad = pr;
+  bad.slot_modality[0] = 9;
+  EXPECT_FALSE(call(bad).ok());
+  EXPECT_FALSE(kk::cpu::evaluate_attention(pr.params, pr.q.data(), pr.k.data(), pr.v.data(),
+                                           pr.modality.data(), pr.cache(), kk::EvaluateOutputs{})
+                   .ok());
+  EXPECT_FALSE(kk::cpu::evaluate_attention(pr.params, nullptr, pr.k.data(), pr.v.data(), pr.modality.data(),
+                                           pr.cache(), r.outputs())
+                   .ok());
+}

@@ -1,0 +1,166 @@
+// CUDA compressed-cache evaluation against the CPU backend on the same inputs
+// (skipped without a GPU).
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/gpu.hpp"
+#include "common/test_util.hpp"
+#include "kernels/reference_evaluate.hpp"
+#include "kvscope/kernels/evaluate.hpp"
+#include "kvscope/kernels/evaluate_cuda.hpp"
+
+namespace kk = kvscope::kernels;
+using kvscope::testing::all_close;
+using kvscope::testing::EvalProblem;
+using kvscope::testing::make_eval_problem;
+
+namespace {
+
+template <typename T>
+struct DeviceVector {
+  T* ptr = nullptr;
+  std::size_t n = 0;
+  explicit DeviceVector(std::size_t count) : n(count) {
+    EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&ptr), sizeof(T) * (n ? n : 1)), cudaSuccess);
+  }
+  explicit DeviceVector(const std::vector<T>& h) : DeviceVector(h.size()) {
+    EXPECT_EQ(cudaMemcpy(ptr, h.data(), sizeof(T) * n, cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  ~DeviceVector() { cudaFree(ptr); }
+  DeviceVector(const DeviceVector&) = delete;
+  DeviceVector& operator=(const DeviceVector&) = delete;
+  std::vector<T> host() const {
+    std::vector<T> h(n);
+    EXPECT_EQ(cudaMemcpy(h.data(), ptr, sizeof(T) * n, cudaMemcpyDeviceToHost), cudaSuccess);
+    return h;
+  }
+};
+
+struct Outputs {
+  std::vector<float> v[7];
+  explicit Outputs(std::size_t rows) {
+    for (int i = 0; i < 7; ++i) v[i].assign(i < 4 ? rows : rows * 4, -9.0f);
+  }
+  kk::EvaluateOutputs ptrs() {
+    return {v[0].data(), v[1].data(), v[2].data(), v[3].data(), v[4].data(), v[5].data(), v[6].data()};
+  }
+};
+const char* const kNames[7] = {"output_error", "recall",         "kl", "entropy_change", "recall_modality",
+                               "mass_full",    "mass_compressed"};
+
+// Runs both backends on `pr` (q, k, v given in params.dtype as raw bytes) and compares.
+kk::Status compare(const EvalProblem& pr, const void* q, const void* k, const void* v) {
+  const auto& p = pr.params;
+  const std::size_t rows = static_cast<std::size_t>(p.num_q_heads) * p.num_queries;
+  const std::size_t eb = kk::dtype_bytes(p.dtype);
+  Outputs cpu(rows);
+  KVSCOPE_RETURN_IF_ERROR(
+      kk::cpu::evaluate_attention(p, q, k, v, pr.modality.data(), pr.cache(), cpu.ptrs()));
+  DeviceVector<std::uint8_t> dq(rows * p.head_dim * eb), dk(pr.k.size() * eb), dv(pr.v.size() * eb);
+  EXPECT_EQ(cudaMemcpy(dq.ptr, q, dq.n, cudaMemcpyHostToDevice), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(dk.ptr, k, dk.n, cudaMemcpyHostToDevice), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(dv.ptr, v, dv.n, cudaMemcpyHostToDevice), cudaSuccess);
+  DeviceVector<std::uint8_t> dmod(pr.modality), dsmod(pr.slot_modality);
+  DeviceVector<float> dsk(pr.slot_k), dsv(pr.slot_v), dmf(pr.mult_f32);
+  DeviceVector<std::int32_t> doff(pr.offsets), dmi(pr.mult_i32), dmap(pr.token_to_slot);
+  kk::CompressedCache c;
+  c.k = dsk.ptr;
+  c.v = dsv.ptr;
+  c.slot_offsets = doff.ptr;
+  c.multiplicity_f32 = pr.mult_f32.empty() ? nullptr : dmf.ptr;
+  c.multiplicity_i32 = pr.mult_i32.empty() ? nullptr : dmi.ptr;
+  c.slot_modality = dsmod.ptr;
+  c.token_to_slot = dmap.ptr;
+  std::vector<DeviceVector<float>*> dout;
+  for (int i = 0; i < 7; ++i) dout.push_back(new DeviceVector<float>(cpu.v[i].size()));
+  const kk::EvaluateOutputs o{dout[0]->ptr, dout[1]->ptr, dout[2]->ptr, dout[3]->ptr,
+                              dout[4]->ptr, dout[5]->ptr, dout[6]->ptr};
+  const kk::Status s = kk::cuda::evaluate_attention(p, dq.ptr, dk.ptr, dv.ptr, dmod.ptr, c, o, nullptr);
+  if (s.ok()) {
+    const std::string what = "Hq=" + std::to_string(p.num_q_heads) +
+                             " Hkv=" + std::to_string(p.num_kv_heads) +
+                             " Nq=" + std::to_string(p.num_queries) + " T=" + std::to_string(p.num_tokens) +
+                             " D=" + std::to_string(p.head_dim) + " dtype=" + kk::dtype_name(p.dtype);
+    // float tree reductions on the GPU vs double row sums on the CPU
+    for (int i = 0; i < 7; ++i)
+      EXPECT_TRUE(all_close(dout[i]->host(), cpu.v[i], 2e-5, 1e-4, what + " " + kNames[i]));
+  }
+  for (auto* d : dout) delete d;
+  return s;
+}
+
+}  // namespace
+
+TEST(EvaluateCuda, MatchesCpu) {
+  KVSCOPE_REQUIRE_GPU();
+  struct Shape {
+    int Hq, Hkv, Nq, T, D;
+  };
+  const Shape shapes[] = {{1, 1, 1, 1, 1},       {2, 1, 3, 7, 5},     {4, 2, 5, 33, 16},
+                          {6, 3, 17, 130, 64},   {8, 2, 4, 577, 128}, {3, 3, 2, 1300, 37},
+                          {32, 8, 32, 2048, 128}};
+  std::uint64_t seed = 1000;
+  for (const Shape& sh : shapes) {
+    for (int variant = 0; variant < 3; ++variant) {
+      EvalProblem pr = make_eval_problem(sh.Hq, sh.Hkv, sh.Nq, sh.T, sh.D, seed++, variant == 1);
+      pr.params.proportional_attention = variant != 2;
+      const kk::Status s = compare(pr, pr.q.data(), pr.k.data(), pr.v.data());
+      EXPECT_TRUE(s.ok()) << s.message();
+    }
+  }
+}
+
+TEST(EvaluateCuda, Bfloat16InputsAndEmptyHead) {
+  KVSCOPE_REQUIRE_GPU();
+  EvalProblem pr = make_eval_problem(4, 2, 3, 70, 32, 55);
+  pr.params.dtype = kk::DType::kBF16;
+  // head 1 keeps no slot at all and evicts everything
+  const int s0 = pr.offsets[1];
+  pr.slot_k.resize(static_cast<std::size_t>(s0) * 32);
+  pr.slot_v.resize(static_cast<std::size_t>(s0) * 32);
+  pr.mult_f32.resize(s0);
+  pr.slot_modality.resize(s0);
+  pr.offsets[2] = s0;
+  for (int t = 0; t < 70; ++t) pr.token_to_slot[70 + t] = -1;
+  auto encode = [](const std::vector<float>& x) {
+    std::vector<std::uint16_t> b(x.size());
+    for (std::size_t i = 0; i < x.size(); ++i) b[i] = kk::float_to_bf16(x[i]);
+    return b;
+  };
+  const auto qb = encode(pr.q), kb = encode(pr.k), vb = encode(pr.v);
+  const kk::Status s = compare(pr, qb.data(), kb.data(), vb.data());
+  EXPECT_TRUE(s.ok()) << s.message();
+}
+
+TEST(EvaluateCuda, RejectsBadDeviceData) {
+  KVSCOPE_REQUIRE_GPU();
+  EvalProblem pr = make_eval_problem(2, 2, 2, 12, 8, 4);
+  pr.token_to_slot[3] = 1000;
+  // compare() runs the CPU first, which rejects; run the CUDA backend alone here.
+  DeviceVector<float> dq(pr.q), dk(pr.k), dv(pr.v), dsk(pr.slot_k), dsv(pr.slot_v), dmf(pr.mult_f32), out(4);
+  DeviceVector<std::uint8_t> dmod(pr.modality), dsmod(pr.slot_modality);
+  DeviceVector<std::int32_t> doff(pr.offsets), dmap(pr.token_to_slot);
+  kk::CompressedCache c;
+  c.k = dsk.ptr;
+  c.v = dsv.ptr;
+  c.slot_offsets = doff.ptr;
+  c.multiplicity_f32 = dmf.ptr;
+  c.slot_modality = dsmod.ptr;
+  c.token_to_slot = dmap.ptr;
+  kk::EvaluateOutputs o;
+  o.recall = out.ptr;
+  EXPECT_FALSE(kk::cuda::evaluate_attention(pr.params, dq.ptr, dk.ptr, dv.ptr, dmod.ptr, c, o, nullptr).ok());
+  pr.token_to_slot[3] = -1;
+  DeviceVector<std::int32_t> dmap_ok(pr.token_to_slot);
+  c.token_to_slot = dmap_ok.ptr;
+  EXPECT_TRUE(kk::cuda::evaluate_attention(pr.params, dq.ptr, dk.ptr, dv.ptr, dmod.ptr, c, o, nullptr).ok());
+  pr.mult_f32[0] = -1.0f;
+  DeviceVector<float> dmf_bad(pr.mult_f32);
+  c.multiplicity_f32 = dmf_bad.ptr;
+  EXPECT_FALSE(kk::cuda::evaluate_attention(pr.params, dq.ptr, dk.ptr, dv.ptr, dmod.ptr, c, o, nullptr).ok());
+}
