@@ -225,6 +225,20 @@ LayerResult run_policy_on_layer(const PolicySpec& p, double keep, LayerData& L, 
     recent = std::max(recent, static_cast<int>(std::lround(p.recent_fraction * k)));
 
     const PerModalityCount& n = ctx.tokens;
+    if (p.allocator == AllocatorKind::kExplicit) {
+      if (static_cast<int>(p.layer_modality_keep.size()) != g.num_layers) {
+        throw std::runtime_error("explicit allocation needs one entry per layer");
+      }
+      sp.use_modality_budgets = true;
+      sp.redistribute_leftover = false;
+      k = 0;
+      for (int m = 0; m < kModalities; ++m) {
+        const double f = std::clamp(p.layer_modality_keep[static_cast<std::size_t>(layer)][static_cast<std::size_t>(m)], 0.0, 1.0);
+        sp.modality_budget[m] = static_cast<int>(std::lround(f * static_cast<double>(n[static_cast<std::size_t>(m)])));
+        k += sp.modality_budget[m];
+      }
+      k = std::max(k, 1);
+    }
     if (vision_only) {
       // Every non-vision token is kept; the budget left goes to vision.
       for (int t = 0; t < T; ++t) protect[static_cast<std::size_t>(t)] = ctx.modality[static_cast<std::size_t>(t)] != kVision;
@@ -345,7 +359,7 @@ LayerResult run_policy_on_layer(const PolicySpec& p, double keep, LayerData& L, 
     sp.num_sinks = sinks;
     sp.recent_window = recent;
     sp.protected_mask = protect.data();
-    sp.redistribute_leftover = true;
+    sp.redistribute_leftover = p.allocator != AllocatorKind::kExplicit;
     kept.assign(static_cast<std::size_t>(Hw) * k, -1);
     if (p.shared_heads) {
       std::int32_t c = 0;

@@ -65,7 +65,10 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
     opts.add_options()("policies,p", po::value<std::string>()->default_value(kDefaultPolicies),
                        "comma-separated policies")(
         "budgets,b", po::value<std::string>()->default_value(kDefaultBudgets),
-        "comma-separated budgets; START:STOP:STEP ranges of fractions allowed");
+        "comma-separated budgets; START:STOP:STEP ranges of fractions allowed")(
+        "oracle", po::value<std::string>()->default_value("h2o"),
+        "scorer policy of the oracle allocation reported beside the policies (per layer x modality "
+        "budgets from measured error curves, greedy on marginal error per byte); 'none' to skip");
   } else {
     opts.add_options()("policy,p", po::value<std::string>(), "policy with optional budget, e.g. h2o@0.3, unicache, int8");
   }
@@ -75,6 +78,7 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
       "csv", po::value<std::string>(), "write results to this CSV file (one row per point x layer x modality)")(
       "threads", po::value<int>()->default_value(0), "CPU threads for the kernels (0 = all cores)")(
       "layers", "also print the per-layer table of each point")(
+      "explain", "print the evidence and suggested fix of every collapse flag (default: Pareto points only)")(
       "blind-recall", po::value<double>()->default_value(0.5), "visual blindness: vision recall threshold")(
       "kl-threshold", po::value<double>()->default_value(0.1), "over-compression: KL threshold in the last layers")(
       "quiet,q", "no progress bar");
@@ -131,11 +135,31 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
     SweepOptions so;
     so.thresholds.blind_recall = vm["blind-recall"].as<double>();
     so.thresholds.overcompression_kl = vm["kl-threshold"].as<double>();
+    if (sweep && vm["oracle"].as<std::string>() != "none") {
+      so.oracle.enabled = true;
+      so.oracle.scorer = registry.get(vm["oracle"].as<std::string>());
+      if (!so.oracle.scorer.compress_tokens || so.oracle.scorer.adaptive) {
+        throw PolicyError("--oracle needs a token-scoring policy (e.g. h2o, snapkv, tova), not '" +
+                          vm["oracle"].as<std::string>() + "'");
+      }
+    }
     cli::ProgressBar bar(name, points.size() * static_cast<std::size_t>(reader.geometry().num_layers), !vm.count("quiet"));
     so.progress = [&](std::size_t done, std::size_t) { bar.update(done); };
     SweepOutput out = run_sweep(reader, points, so);
     bar.finish();
-    mark_pareto(out.points);
+    // The Pareto front is over the policies; oracle rows are a bound, not a policy.
+    {
+      std::vector<PointResult> real;
+      std::vector<std::size_t> idx;
+      for (std::size_t i = 0; i < out.points.size(); ++i) {
+        if (out.points[i].policy.rfind("oracle-", 0) != 0) {
+          real.push_back(out.points[i]);
+          idx.push_back(i);
+        }
+      }
+      mark_pareto(real);
+      for (std::size_t i = 0; i < idx.size(); ++i) out.points[idx[i]].pareto = real[i].pareto;
+    }
     for (const auto& w : out.warnings) std::cerr << name << ": warning: " << w << "\n";
     std::cout << "trace " << reader.path() << ": " << summary.header.geometry.model_name
               << (summary.header.synthetic ? " (SYNTHETIC)" : "") << ", " << summary.num_tokens << " tokens ("
@@ -144,6 +168,7 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
               << summary.num_decode_steps << " evaluation queries, " << summary.header.geometry.num_layers << " layers\n\n";
     std::cout << format_table(out.points);
     for (const auto& pt : out.points) {
+      if (!vm.count("explain") && !pt.pareto && out.points.size() > 1) continue;
       for (const auto& f : pt.flags) {
         std::cout << "  " << pt.policy << "@" << pt.budget << ": " << f.mode << " in layers "
                   << format_layer_ranges(f.layers) << ": " << f.evidence << "; fix: " << f.suggested_fix << "\n";
@@ -173,6 +198,9 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
       std::cout << (vm.count("output") ? "" : "\n") << "csv: " << vm["csv"].as<std::string>() << "\n";
     }
   } catch (const trace::TraceError& e) {
+    std::cerr << name << ": " << e.what() << "\n";
+    return 2;
+  } catch (const PolicyError& e) {
     std::cerr << name << ": " << e.what() << "\n";
     return 2;
   } catch (const ReportError& e) {

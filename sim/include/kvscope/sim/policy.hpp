@@ -6,6 +6,7 @@
 // bytes ("64MiB").
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -43,6 +44,7 @@ enum class AllocatorKind {
   kHybrid,    // HybridKV: text dense (a share alpha of the budget), vision sparse
   kVisionOnly,// FastV / vision-stride / LOOK-M: text, audio and special tokens all kept, budget spent on vision
   kUniCache,  // cosine layer schedule + density-driven cross-modal split with caps
+  kExplicit,  // per-layer x per-modality keep fractions given in PolicySpec::layer_modality_keep (oracle)
 };
 
 enum class ExecutorKind {
@@ -90,6 +92,8 @@ struct PolicySpec {
   std::optional<kernels::QuantSpec> key_quant, value_quant;
   bool proportional_attention = true;
   std::uint64_t seed = 0;
+  // kExplicit allocator: keep fraction of each modality's tokens, per layer ([num_layers][4]).
+  std::vector<std::array<double, 4>> layer_modality_keep;
   std::string description;       // one line, for --help and docs
   std::string source;            // paper / seed section
 };

@@ -21,8 +21,8 @@ struct CollapseThresholds {
   double blind_layer_fraction = 0.25;  // flag when at least this fraction of layers is blind
   double drift_ratio = 2.0;            // deep-third output error > ratio x shallow-third error ...
   double drift_min_error = 0.1;        // ... and above this absolute value
-  double repetition_entropy = -0.5;    // mean entropy change (nats) below this in a layer ...
-  double repetition_layer_fraction = 0.25;  // ... in at least this fraction of layers
+  double repetition_entropy = -1.5;    // mean entropy change (nats) below this in a layer ...
+  double repetition_layer_fraction = 0.5;   // ... in at least this fraction of layers
   double overcompression_kl = 0.1;     // KL above this in one of the last layers
   int last_layers = 0;                 // how many layers count as "last" (0: max(1, L / 8))
 };
@@ -42,8 +42,19 @@ std::vector<Budget> parse_budget_list(const std::string& text);
 // appear once with budget "-".
 std::vector<SweepPoint> make_sweep_points(const std::vector<PolicySpec>& policies, const std::vector<Budget>& budgets);
 
+// Oracle allocation: per layer and modality, the error-vs-keep curve of one scorer is measured
+// (that modality compressed alone in that layer); then, for each swept budget, a greedy search
+// on marginal error per byte picks the per-layer x per-modality keep fractions reaching that
+// memory with the least summed error, and the allocation is replayed to measure it.
+struct OracleOptions {
+  bool enabled = false;
+  PolicySpec scorer;  // its scorer, forced sinks/recent and executor are used; quantizer ignored
+  std::vector<double> levels = {0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05};
+};
+
 struct SweepOptions {
   CollapseThresholds thresholds;
+  OracleOptions oracle;
   std::function<void(std::size_t done, std::size_t total)> progress;
 };
 
