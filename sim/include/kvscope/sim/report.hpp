@@ -1,0 +1,77 @@
+// Reports of simulator results: the stdout table, the CSV file and the HDF5 results file.
+// docs/results-format.md is the normative description of both files.
+#pragma once
+
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kvscope/sim/info.hpp"
+#include "kvscope/sim/results.hpp"
+
+namespace kvscope::sim {
+
+// A results file could not be written. Nothing is left at path() (nor at path() + ".partial").
+class ReportError : public std::runtime_error {
+ public:
+  ReportError(std::string path, const std::string& message)
+      : std::runtime_error(path + ": " + message), path_(std::move(path)) {}
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// What the results were computed from; stored in the files next to the results.
+struct ResultsMeta {
+  std::string trace_path;
+  std::string model_name;
+  bool synthetic = false;
+  int num_layers = 0;
+  int num_kv_heads = 0;
+  int num_q_heads = 0;
+  int head_dim = 0;
+  std::int64_t num_tokens = 0;             // context (prefill) tokens
+  std::int64_t num_decode_steps = 0;       // evaluation queries per query head
+  PerModalityCount tokens_per_modality{};  // [4] by modality code
+  std::string command_line;                // the kvsim invocation, shell-quoted
+  std::string created;                     // ISO-8601 UTC; empty = time of writing
+};
+
+// Meta from a trace summary (kvsim run/sweep fill command_line from argv).
+ResultsMeta results_meta(const TraceSummary& summary, std::string command_line);
+// argv joined with spaces, each argument single-quoted where the shell would need it.
+std::string command_line_string(int argc, const char* const* argv);
+
+// Modality codes reported per modality in the table and the CSV, ascending: those with context
+// tokens in meta.tokens_per_modality or, when meta has no counts, in the points' totals.
+std::vector<int> reported_modalities(const std::vector<PointResult>& points, const ResultsMeta& meta);
+// "L3-L9,L12" for {3,4,5,6,7,8,9,12} (sorted, duplicates ignored); "" for none.
+std::string format_layer_ranges(std::vector<int> layers);
+// Short table name of a collapse mode: blind, drift, repeat, overcomp (others unchanged).
+std::string flag_short_name(const std::string& mode);
+
+struct TableOptions {
+  int max_width = 140;             // rows longer than this get their flags cut with "..."
+  std::optional<bool> show_audio;  // audio recall column; nullopt = when any point has audio tokens
+  bool legend = true;              // explanation lines under the table
+};
+
+// One row per point, in the given order: policy, budget, memory saved (%), bytes ratio,
+// output error, attention recall, recall per modality, KL, entropy change, Pareto mark (*),
+// collapse flags with their layers.
+std::string format_table(const std::vector<PointResult>& points, const TableOptions& options = {});
+
+// CSV: one row per point x (each layer, then "all") x (each reported modality, then "all").
+// Written to path + ".partial" and renamed; throws ReportError (leaving no file) on failure.
+void write_csv(const std::string& path, const std::vector<PointResult>& points, const ResultsMeta& meta);
+
+// HDF5 results file (format "kvscope-results", version 1.0), written to path + ".partial" and
+// renamed when complete; throws ReportError (leaving no file) on failure.
+void write_hdf5(const std::string& path, const std::vector<PointResult>& points, const ResultsMeta& meta);
+
+inline constexpr const char* kResultsFormat = "kvscope-results";
+inline constexpr const char* kResultsVersion = "1.0";
+
+}  // namespace kvscope::sim

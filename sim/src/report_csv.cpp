@@ -1,0 +1,112 @@
+// CSV results: one row per point x layer x modality, with "all" rows for the aggregates.
+// Column meanings: docs/results-format.md.
+#include <charconv>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <system_error>
+
+#include "kvscope/sim/report.hpp"
+
+namespace kvscope::sim {
+
+namespace {
+
+// Shortest text that reads back to the same double ("nan", "inf" for non-finite values).
+std::string num(double v) {
+  char buf[64];
+  const auto r = std::to_chars(buf, buf + sizeof buf, v);
+  return std::string(buf, r.ptr);
+}
+std::string num(std::int64_t v) { return std::to_string(v); }
+
+// RFC 4180 quoting where needed (policy names come from user INI files).
+std::string quoted(const std::string& s) {
+  if (s.find_first_of(",\"\r\n") == std::string::npos &&
+      (s.empty() || (s.front() != ' ' && s.back() != ' '))) {
+    return s;
+  }
+  std::string out = "\"";
+  for (char c : s) out += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return out + "\"";
+}
+
+double ratio(std::int64_t kept, std::int64_t full) {
+  return full ? static_cast<double>(kept) / static_cast<double>(full) : 1.0;
+}
+
+// Flag mode names, ';'-separated: all of them (layer < 0) or those naming `layer`.
+std::string flag_names(const PointResult& p, int layer) {
+  std::string out;
+  for (const CollapseFlag& f : p.flags) {
+    bool involved = layer < 0;
+    for (int l : f.layers) involved = involved || l == layer;
+    if (!involved) continue;
+    if (!out.empty()) out += ';';
+    out += f.mode;
+  }
+  return out;
+}
+
+// Rows of one aggregate (a layer or the whole point): one per reported modality, then "all".
+void write_rows(std::ostream& os, const PointResult& p, const std::string& layer_name, const HeadResult& r,
+                const std::string& flags, const std::vector<int>& modalities) {
+  const Quality& q = r.quality;
+  const std::string prefix = quoted(p.policy) + "," + quoted(p.budget) + "," + layer_name + ",";
+  const std::string suffix = std::string(p.pareto ? ",1," : ",0,").append(num(p.budget_value)).append("\n");
+  for (int m : modalities) {
+    const std::int64_t full = r.bytes_full_modality[m], kept = r.bytes_kept_modality[m];
+    os << prefix << kernels::modality_name(m) << ',' << num(full) << ',' << num(kept) << ','
+       << num(ratio(kept, full)) << ',' << num(q.output_error) << ',' << num(q.recall_modality[m]) << ','
+       << num(q.kl) << ',' << num(q.entropy_delta) << ',' << quoted(flags) << ',' << num(r.tokens[m]) << ','
+       << num(r.kept[m]) << ',' << num(r.merged[m]) << ',' << num(r.evicted[m]) << ','
+       << num(q.share_before[m]) << ',' << num(q.share_after[m]) << suffix;
+  }
+  std::int64_t tokens = 0, kept = 0, merged = 0, evicted = 0;
+  double share_before = 0, share_after = 0;
+  for (int m = 0; m < kModalities; ++m) {
+    tokens += r.tokens[m];
+    kept += r.kept[m];
+    merged += r.merged[m];
+    evicted += r.evicted[m];
+    share_before += q.share_before[m];
+    share_after += q.share_after[m];
+  }
+  const std::int64_t full = r.bytes_full.total(), kept_bytes = r.bytes_kept.total();
+  os << prefix << "all," << num(full) << ',' << num(kept_bytes) << ',' << num(ratio(kept_bytes, full)) << ','
+     << num(q.output_error) << ',' << num(q.attention_recall) << ',' << num(q.kl) << ','
+     << num(q.entropy_delta) << ',' << quoted(flags) << ',' << num(tokens) << ',' << num(kept) << ','
+     << num(merged) << ',' << num(evicted) << ',' << num(share_before) << ',' << num(share_after) << suffix;
+}
+
+}  // namespace
+
+void write_csv(const std::string& path, const std::vector<PointResult>& points, const ResultsMeta& meta) {
+  const std::string partial = path + ".partial";
+  const std::vector<int> modalities = reported_modalities(points, meta);
+  {
+    std::ofstream os(partial, std::ios::binary | std::ios::trunc);
+    if (!os) throw ReportError(path, "cannot create " + partial);
+    os << "policy,budget,layer,modality,bytes_full,bytes_kept,bytes_ratio,output_error,attention_recall,kl,"
+          "entropy_delta,flags,tokens,kept,merged,evicted,share_before,share_after,pareto,budget_value\n";
+    for (const PointResult& p : points) {
+      for (const LayerResult& l : p.layers) {
+        write_rows(os, p, std::to_string(l.layer), l.total, flag_names(p, l.layer), modalities);
+      }
+      write_rows(os, p, "all", p.total, flag_names(p, -1), modalities);
+    }
+    os.close();  // sets failbit when the final flush fails
+    if (os.fail()) {
+      std::remove(partial.c_str());
+      throw ReportError(path, "write failed (disk full?) on " + partial);
+    }
+  }
+  std::error_code ec;
+  std::filesystem::rename(partial, path, ec);
+  if (ec) {
+    std::remove(partial.c_str());
+    throw ReportError(path, "cannot rename " + partial + " to it: " + ec.message());
+  }
+}
+
+}  // namespace kvscope::sim

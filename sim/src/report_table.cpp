@@ -1,0 +1,188 @@
+// The stdout results table, plus the small helpers the table and the files share.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+
+#include "kvscope/sim/report.hpp"
+
+namespace kvscope::sim {
+
+ResultsMeta results_meta(const TraceSummary& summary, std::string command_line) {
+  ResultsMeta m;
+  const trace::ModelGeometry& g = summary.header.geometry;
+  m.trace_path = summary.file;
+  m.model_name = g.model_name;
+  m.synthetic = summary.header.synthetic;
+  m.num_layers = g.num_layers;
+  m.num_kv_heads = g.num_kv_heads;
+  m.num_q_heads = g.num_q_heads;
+  m.head_dim = g.head_dim;
+  m.num_tokens = static_cast<std::int64_t>(summary.num_tokens);
+  m.num_decode_steps = static_cast<std::int64_t>(summary.num_decode_steps);
+  for (int i = 0; i < kModalities; ++i) {
+    m.tokens_per_modality[i] = static_cast<std::int64_t>(summary.tokens_per_modality[i]);
+  }
+  m.command_line = std::move(command_line);
+  return m;
+}
+
+std::string command_line_string(int argc, const char* const* argv) {
+  std::string out;
+  for (int i = 0; i < argc; ++i) {
+    const std::string a = argv[i];
+    const bool plain = !a.empty() && a.find_first_not_of(
+                                         "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                         "0123456789@%+=:,./-_") == std::string::npos;
+    if (i) out += ' ';
+    if (plain) {
+      out += a;
+      continue;
+    }
+    out += '\'';
+    for (char c : a) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+    out += '\'';
+  }
+  return out;
+}
+
+std::vector<int> reported_modalities(const std::vector<PointResult>& points, const ResultsMeta& meta) {
+  PerModalityCount counts = meta.tokens_per_modality;
+  const bool meta_has_counts =
+      std::any_of(counts.begin(), counts.end(), [](std::int64_t c) { return c > 0; });
+  if (!meta_has_counts) {
+    for (const PointResult& p : points) {
+      for (int m = 0; m < kModalities; ++m) counts[m] += p.total.tokens[m];
+    }
+  }
+  std::vector<int> out;
+  for (int m = 0; m < kModalities; ++m) {
+    if (counts[m] > 0) out.push_back(m);
+  }
+  return out;
+}
+
+std::string format_layer_ranges(std::vector<int> layers) {
+  std::sort(layers.begin(), layers.end());
+  layers.erase(std::unique(layers.begin(), layers.end()), layers.end());
+  std::string out;
+  for (std::size_t i = 0; i < layers.size();) {
+    std::size_t j = i;
+    while (j + 1 < layers.size() && layers[j + 1] == layers[j] + 1) ++j;
+    if (!out.empty()) out += ',';
+    out.append("L").append(std::to_string(layers[i]));
+    if (j > i) out.append("-L").append(std::to_string(layers[j]));
+    i = j + 1;
+  }
+  return out;
+}
+
+std::string flag_short_name(const std::string& mode) {
+  if (mode == "visual_blindness") return "blind";
+  if (mode == "semantic_drift") return "drift";
+  if (mode == "repetition") return "repeat";
+  if (mode == "over_compression") return "overcomp";
+  return mode;
+}
+
+namespace {
+
+std::string fmt(const char* format, double v) {
+  if (std::isnan(v)) return "nan";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, format, v);
+  return buf;
+}
+
+struct Column {
+  std::string header;
+  bool left = false;  // text columns are left-aligned, numbers right-aligned
+  std::vector<std::string> cells;
+  std::size_t width() const {
+    std::size_t w = header.size();
+    for (const auto& c : cells) w = std::max(w, c.size());
+    return w;
+  }
+};
+
+std::string flags_cell(const PointResult& p) {
+  std::string out;
+  for (const CollapseFlag& f : p.flags) {
+    if (!out.empty()) out += ' ';
+    out += flag_short_name(f.mode);
+    const std::string layers = format_layer_ranges(f.layers);
+    if (!layers.empty()) out += "(" + layers + ")";
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string format_table(const std::vector<PointResult>& points, const TableOptions& options) {
+  bool audio = false;
+  for (const PointResult& p : points) audio = audio || p.total.tokens[2] > 0;
+  if (options.show_audio) audio = *options.show_audio;
+
+  std::vector<Column> cols = {{"policy", true, {}},  {"budget", true, {}},   {"saved%", false, {}},
+                              {"ratio", false, {}},  {"error", false, {}},   {"recall", false, {}},
+                              {"R_text", false, {}}, {"R_vision", false, {}}};
+  if (audio) cols.push_back({"R_audio", false, {}});
+  cols.push_back({"KL", false, {}});
+  cols.push_back({"dH", false, {}});
+  cols.push_back({"P", true, {}});
+  std::vector<std::string> flags;  // last column, not padded
+
+  for (const PointResult& p : points) {
+    const Quality& q = p.total.quality;
+    const double ratio = p.bytes_ratio();
+    std::size_t c = 0;
+    cols[c++].cells.push_back(p.policy);
+    cols[c++].cells.push_back(p.budget.empty() ? "-" : p.budget);
+    cols[c++].cells.push_back(fmt("%.1f", 100.0 * (1.0 - ratio)));
+    cols[c++].cells.push_back(fmt("%.3f", ratio));
+    cols[c++].cells.push_back(fmt("%.4f", q.output_error));
+    cols[c++].cells.push_back(fmt("%.3f", q.attention_recall));
+    for (int m = 0; m < (audio ? 3 : 2); ++m) {
+      // A modality without context tokens has no recall to speak of.
+      cols[c++].cells.push_back(p.total.tokens[m] > 0 ? fmt("%.3f", q.recall_modality[m]) : "-");
+    }
+    cols[c++].cells.push_back(fmt("%.4f", q.kl));
+    cols[c++].cells.push_back(fmt("%+.3f", q.entropy_delta));
+    cols[c++].cells.push_back(p.pareto ? "*" : "");
+    flags.push_back(flags_cell(p));
+  }
+
+  auto render = [&](auto cell_of, const std::string& last) {
+    std::string line;
+    for (std::size_t c = 0; c < cols.size(); ++c) {
+      const std::string s = cell_of(cols[c]);
+      const std::size_t pad = cols[c].width() - s.size();
+      if (c) line += "  ";
+      line += cols[c].left ? s + std::string(pad, ' ') : std::string(pad, ' ') + s;
+    }
+    line += "  " + last;
+    while (!line.empty() && line.back() == ' ') line.pop_back();
+    const std::size_t max = static_cast<std::size_t>(std::max(options.max_width, 20));
+    if (line.size() > max) line = line.substr(0, max - 3) + "...";
+    return line + "\n";
+  };
+
+  std::ostringstream out;
+  const std::string header = render([](const Column& c) { return c.header; }, "flags");
+  out << header;
+  out << std::string(std::min(header.size() - 1, static_cast<std::size_t>(options.max_width)), '-') << "\n";
+  for (std::size_t r = 0; r < points.size(); ++r) {
+    out << render([r](const Column& c) { return c.cells[r]; }, flags[r]);
+  }
+  if (options.legend) {
+    out << "saved% = 1 - ratio (kept/full KV bytes); error = relative attention-output error; recall, R_m = "
+           "attention mass kept (total, per modality)\n"
+           "KL = KL(full || compressed) on survivors; dH = entropy change; P: * = Pareto front (bytes vs "
+           "error);"
+           " flags: blind = visual blindness,\n"
+           "drift = semantic drift, repeat = repetition, overcomp = over-compression, with their layers\n";
+  }
+  return out.str();
+}
+
+}  // namespace kvscope::sim
