@@ -227,7 +227,7 @@ PolicySpec PolicyRegistry::get(const std::string& raw) const {
   auto list = [&] {
     std::string s;
     for (const auto& n : names()) s += (s.empty() ? "" : ", ") + n;
-    return s + "; compose an eviction policy with a quantizer as NAME+int8|int4|kivi2; adaptive-NAME wraps NAME";
+    return s + "; compose an eviction policy with a quantizer as NAME+int8|int8-head|int4|kivi2; adaptive-NAME wraps NAME";
   };
   if (name.empty()) throw PolicyError("empty policy name (valid: " + list() + ")");
   const auto plus = name.find('+');
@@ -238,9 +238,7 @@ PolicySpec PolicyRegistry::get(const std::string& raw) const {
     if (!quantizer_preset(q, &k, &v)) {
       throw PolicyError("unknown quantizer '" + q + "' in '" + name + "' (valid: int8, int8-head, int4, kivi2)");
     }
-    if (p.key_quant && !(p.name == "unicache" || p.name.rfind("unicache-", 0) == 0 || p.name == "adaptive")) {
-      throw PolicyError("'" + name + "' quantizes twice: '" + p.name + "' already quantizes");
-    }
+    // "+Q" sets the quantizer (replacing one the base policy may have, e.g. unicache's int8).
     p.key_quant = k;
     p.value_quant = v;
     p.name = name;

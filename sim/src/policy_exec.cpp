@@ -214,11 +214,14 @@ LayerResult run_policy_on_layer(const PolicySpec& p, double keep, LayerData& L, 
       frac = keep * (1.0 + p.pyramid_spread * (1.0 - 2.0 * layer / (g.num_layers - 1)));
     }
     if (p.allocator == AllocatorKind::kUniCache) {
-      // Cosine schedule, rescaled so its mean keep fraction equals `keep`.
+      // Cosine schedule, rescaled so its mean keep fraction equals `keep`; rate_offset is
+      // applied after the rescaling, so scene offsets survive a budget.
+      UniCacheConfig shape = p.unicache;
+      shape.rate_offset = 0.0f;
       double mean = 0;
-      for (int l = 0; l < g.num_layers; ++l) mean += 1.0 - unicache_rate(p.unicache, l, g.num_layers);
+      for (int l = 0; l < g.num_layers; ++l) mean += 1.0 - unicache_rate(shape, l, g.num_layers);
       mean /= g.num_layers;
-      frac = (1.0 - unicache_rate(p.unicache, layer, g.num_layers)) * keep / mean;
+      frac = (1.0 - unicache_rate(shape, layer, g.num_layers)) * keep / mean - p.unicache.rate_offset;
     }
     frac = std::clamp(frac, 0.0, 1.0);
     k = std::clamp(static_cast<int>(std::lround(frac * T)), 1, T);
@@ -441,7 +444,7 @@ LayerResult run_policy_on_layer(const PolicySpec& p, double keep, LayerData& L, 
     }
     if (merging) b.multiplicity = 4ll * K;
   }
-  if (head_merge) head_bytes[0].index += 4ll * Hq;
+  if (head_merge && Hw < H) head_bytes[0].index += 4ll * Hq;  // query-head -> merged-head map
 
   // ---- 7. per original kv head: counts and bytes (a merged head's bytes are shared by its members)
   LayerResult res;

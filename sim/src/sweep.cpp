@@ -35,6 +35,7 @@ std::vector<Budget> parse_budget_list(const std::string& text) {
   std::stringstream ss(text);
   std::string item;
   while (std::getline(ss, item, ',')) {
+    if (item.find_first_not_of(" \t") == std::string::npos) throw PolicyError("empty item in budget list '" + text + "'");
     if (item.find(':') != std::string::npos) {
       double a = 0, b = 0, step = 0;
       char c1 = 0, c2 = 0;
@@ -132,7 +133,9 @@ std::vector<CollapseFlag> detect_collapse(const PointResult& pt, const CollapseT
                        "lower the deep layers' rates; quantize-only in deep layers"});
     }
   }
-  {
+  std::int64_t merged_tokens = 0;
+  for (int m = 0; m < kModalities; ++m) merged_tokens += pt.total.merged[static_cast<std::size_t>(m)];
+  if (merged_tokens > 0) {  // repetition is a failure of merging: policies that only evict cannot cause it
     std::vector<int> rep;
     double worst = 0;
     for (const auto& l : pt.layers) {
@@ -143,7 +146,7 @@ std::vector<CollapseFlag> detect_collapse(const PointResult& pt, const CollapseT
       flags.push_back({"repetition", rep,
                        std::to_string(rep.size()) + "/" + std::to_string(L) + " layers with entropy change < " +
                            fmt(th.repetition_entropy) + " nats (worst " + fmt(worst) + ")",
-                       "lower the merge threshold; fewer merges"});
+                       "raise the merge threshold (fewer merges)"});
     }
   }
   {
@@ -151,13 +154,15 @@ std::vector<CollapseFlag> detect_collapse(const PointResult& pt, const CollapseT
     std::vector<int> over;
     double worst = 0;
     for (int l = L - last; l < L; ++l) {
-      const double kl = pt.layers[static_cast<std::size_t>(l)].total.quality.kl;
+      // KL including the evicted mass: KL on survivors - log R (R = attention recall).
+      const Quality& q = pt.layers[static_cast<std::size_t>(l)].total.quality;
+      const double kl = q.kl - std::log(std::max(q.attention_recall, 1e-12));
       if (kl > th.overcompression_kl) over.push_back(l);
       worst = std::max(worst, kl);
     }
     if (!over.empty()) {
       flags.push_back({"over_compression", over,
-                       "KL " + fmt(worst) + " > " + fmt(th.overcompression_kl) + " in the last " + std::to_string(last) +
+                       "KL incl. evicted mass " + fmt(worst) + " > " + fmt(th.overcompression_kl) + " in the last " + std::to_string(last) +
                            " layers (" + layer_list(over) + ")",
                        "back off the compression rate"});
     }

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "kvscope/sim/info.hpp"
+#include "plan_command.hpp"
 #include "sweep_command.hpp"
 #include "kvscope/sim/report.hpp"
 
@@ -22,7 +23,8 @@ void print_usage(std::ostream& os) {
         "Commands:\n"
         "  info       summarise a trace: geometry, tokens per modality and segment, KV bytes per layer/modality\n"
         "  run        replay a trace through one policy: memory and quality per layer, head and modality\n"
-        "  sweep      replay a trace through many policies x budgets: table, Pareto front, collapse flags\n\n"
+        "  sweep      replay a trace through many policies x budgets: table, Pareto front, collapse flags\n"
+        "  plan       capacity planner: KV bytes per token/request, concurrent requests and context that fit\n\n"
         "Run 'kvsim <command> --help' for the options of a command.\n";
 }
 
@@ -76,10 +78,11 @@ int main(int argc, char** argv) {
       return kExitOk;
     }
     if (cmd == "info") return cmd_info(rest);
+    if (cmd == "plan") return kvscope::tools::run_plan_command(rest);
     if (cmd == "run" || cmd == "sweep") {
       return sim::run_sweep_command(cmd, rest, sim::command_line_string(argc, argv));
     }
-    std::cerr << "kvsim: unknown command '" << cmd << "' (valid: info, run, sweep; see kvsim --help)\n";
+    std::cerr << "kvsim: unknown command '" << cmd << "' (valid: info, run, sweep, plan; see kvsim --help)\n";
     return kExitError;
   } catch (const std::exception& e) {
     std::cerr << "kvsim " << cmd << ": " << e.what() << "\n";

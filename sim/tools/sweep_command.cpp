@@ -122,6 +122,15 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
     } else {
       auto [pname, budget] = split_policy_budget(vm["policy"].as<std::string>());
       PolicySpec p = registry.get(pname);
+      const bool uses_budget = p.compress_tokens && !p.adaptive;
+      if (budget.kind == Budget::Kind::kNone && uses_budget && p.allocator != AllocatorKind::kUniCache) {
+        throw PolicyError("'" + pname + "' needs a budget, e.g. " + pname + "@0.3 (fraction kept), " + pname +
+                          "@512tok or " + pname + "@64MiB");
+      }
+      if (budget.kind != Budget::Kind::kNone && !uses_budget) {
+        std::cerr << name << ": warning: '" << pname << "' ignores the budget '" << budget.text << "'\n";
+        budget = Budget{};
+      }
       if (budget.kind == Budget::Kind::kNone) budget.text = "-";
       points.push_back({p, budget});
     }

@@ -23,8 +23,8 @@ struct Bytes {
   std::int64_t scales = 0;        // quantization scales
   std::int64_t zeros = 0;         // quantization zero points
   std::int64_t residual = 0;      // full-precision residual tokens of a quantizer (KIVI)
-  std::int64_t multiplicity = 0;  // merge multiplicities (int32 per slot, only when something merged)
-  std::int64_t index = 0;         // index tables (query-head -> merged-head maps)
+  std::int64_t multiplicity = 0;  // merge multiplicities (int32 per slot whenever a merging executor ran)
+  std::int64_t index = 0;         // index tables (query-head -> merged-head map when heads merged)
   std::int64_t total() const { return kv + scales + zeros + residual + multiplicity + index; }
   Bytes& operator+=(const Bytes& o) {
     kv += o.kv; scales += o.scales; zeros += o.zeros; residual += o.residual;
