@@ -91,7 +91,7 @@ double keep_fraction(const PolicySpec& p, const Budget& b, const TraceContext& c
 }
 
 LayerResult run_policy_on_layer(const PolicySpec& p, double keep, LayerData& L, TraceContext& ctx,
-                                std::vector<std::string>& warnings) {
+                                std::vector<std::string>& warnings, bool record_tokens) {
   const auto& g = ctx.geometry;
   const int H = g.num_kv_heads, Hq = g.num_q_heads, D = g.head_dim, T = ctx.T, S = ctx.S, G = g.group_size();
   const int layer = L.layer();
@@ -481,6 +481,18 @@ LayerResult run_policy_on_layer(const PolicySpec& p, double keep, LayerData& L, 
         ++hr.evicted[m];
       }
       hr.bytes_full_modality[m] += 2ll * D * elem;
+    }
+    if (record_tokens) {
+      TokenMap tm;
+      tm.slot.assign(t2s, t2s + T);
+      tm.slot_token.assign(kept.begin() + static_cast<std::ptrdiff_t>(w) * k,
+                           kept.begin() + static_cast<std::ptrdiff_t>(w) * k + K);
+      tm.state.resize(static_cast<std::size_t>(T));
+      for (int t = 0; t < T; ++t)
+        tm.state[static_cast<std::size_t>(t)] = is_kept[static_cast<std::size_t>(t)] ? 1 : (t2s[t] >= 0 ? 2 : 0);
+      if (!keep_all) tm.score.assign(scores.begin() + static_cast<std::ptrdiff_t>(w) * T, scores.begin() + static_cast<std::ptrdiff_t>(w + 1) * T);
+      tm.quant_bits = p.key_quant ? p.key_quant->bits : 0;
+      res.token_maps.push_back(std::move(tm));
     }
     const std::int64_t kept_total = hr.bytes_kept.total();
     for (int m = 0; m < kModalities; ++m)

@@ -84,7 +84,8 @@ double keep_fraction(const PolicySpec& policy, const Budget& budget, const Trace
 
 // Runs `policy` with a mean keep fraction on one layer. Warnings (e.g. a budget
 // clamped up to the forced set) are appended to `warnings`.
+// With record_tokens, LayerResult::token_maps says what happened to every token of every kv head.
 LayerResult run_policy_on_layer(const PolicySpec& policy, double keep, LayerData& layer, TraceContext& ctx,
-                                std::vector<std::string>& warnings);
+                                std::vector<std::string>& warnings, bool record_tokens = false);
 
 }  // namespace kvscope::sim

@@ -58,9 +58,19 @@ struct HeadResult {
   Quality quality;                    // mean over the query heads of this kv head and the queries
 };
 
+// What happened to each context token in one kv head (filled only on request, e.g. for kvview).
+struct TokenMap {
+  std::vector<std::int32_t> slot;       // [T] slot index of the token, -1 if evicted
+  std::vector<std::int32_t> slot_token; // [slots] token index that represents each slot (kept token)
+  std::vector<std::uint8_t> state;      // [T] 0 evicted, 1 kept (own slot), 2 merged into another slot
+  std::vector<float> score;             // [T] the score the selection used (empty when nothing was selected)
+  int quant_bits = 0;                   // bits of the key quantizer, 0 = not quantized
+};
+
 struct LayerResult {
   int layer = 0;
   std::vector<HeadResult> heads;  // [num_kv_heads]
+  std::vector<TokenMap> token_maps;  // [num_kv_heads] when requested, else empty
   HeadResult total;               // sums over heads (bytes, counts), means (quality)
   int merged_heads = 0;           // kv heads after head merging (== num_kv_heads without it)
 };
