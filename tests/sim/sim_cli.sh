@@ -5,7 +5,7 @@ kvsim=$1 kvcap=$2 dir=$3
 rm -rf "$dir" && mkdir -p "$dir"
 "$kvcap" synth --preset tiny --image-tokens 36 --text 12 --decode 3 -q -o "$dir/t.h5" >/dev/null || exit 1
 fail=0
-out=$("$kvsim" sweep --trace "$dir/t.h5" --policies full,h2o,int8 --budgets 0.25,0.5 -q -o "$dir/r.h5" --csv "$dir/r.csv" 2>/dev/null)
+out=$("$kvsim" sweep --trace "$dir/t.h5" --policies full,h2o,int8 --budgets 0.25,0.5 --oracle none -q -o "$dir/r.h5" --csv "$dir/r.csv" 2>/dev/null)
 rc=$?
 [[ $rc -eq 0 ]] || { echo "FAIL sweep exit $rc"; fail=1; }
 for want in "full" "h2o " "int8" "0.25" "0.5"; do
@@ -15,6 +15,9 @@ done
 # 4 points (full, h2o@0.25, h2o@0.5, int8) x (4 layers + all) x (text, vision, special + all) + header
 rows=$(wc -l < "$dir/r.csv")
 [[ $rows -eq $((4 * 5 * 4 + 1)) ]] || { echo "FAIL csv has $rows lines"; fail=1; }
+# The default sweep adds oracle rows (one per budget) beside the policies.
+oracle=$("$kvsim" sweep --trace "$dir/t.h5" --policies h2o --budgets 0.25,0.5 -q 2>/dev/null | grep -c '^oracle-h2o')
+[[ $oracle -eq 2 ]] || { echo "FAIL expected 2 oracle rows, got $oracle"; fail=1; }
 "$kvsim" run --trace "$dir/t.h5" --policy unicache@0.5 -q --layers >/dev/null 2>&1 || { echo "FAIL run unicache"; fail=1; }
 check() {  # expected-substring command...
   local want=$1; shift
