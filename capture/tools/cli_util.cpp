@@ -2,6 +2,8 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <string>
 
 #include "kvscope/cli/progress.hpp"
 
@@ -70,6 +72,26 @@ std::string format_seconds(double s) {
     std::snprintf(buf, sizeof buf, "%dm%02ds", static_cast<int>(s) / 60, static_cast<int>(s) % 60);
   }
   return buf;
+}
+
+}  // namespace kvscope::cli
+
+extern "C" char* openblas_get_corename(void);
+
+namespace kvscope::cli {
+
+void use_fast_blas_core(char** argv) {
+#if defined(__x86_64__)
+  if (std::getenv("OPENBLAS_CORETYPE") != nullptr) return;
+  const std::string core = openblas_get_corename();
+  if (core != "Prescott" && core != "Core2" && core != "Penryn" && core != "Nehalem") return;
+  const char* better = __builtin_cpu_supports("avx512f") ? "SkylakeX" : __builtin_cpu_supports("avx2") ? "Haswell" : nullptr;
+  if (better == nullptr || setenv("OPENBLAS_CORETYPE", better, 1) != 0) return;
+  execv("/proc/self/exe", argv);
+  unsetenv("OPENBLAS_CORETYPE");  // exec failed: carry on with the generic core
+#else
+  (void)argv;
+#endif
 }
 
 }  // namespace kvscope::cli

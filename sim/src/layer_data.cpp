@@ -144,6 +144,30 @@ const std::vector<float>& LayerData::cross_given() {
   return given_;
 }
 
+const kernels::FullAttention& LayerData::full_attention(bool proportional_attention) {
+  if (have_full_) return full_;
+  const auto& g = ctx_.geometry;
+  const std::size_t rows = static_cast<std::size_t>(g.num_q_heads) * static_cast<std::size_t>(ctx_.S);
+  full_probs_.resize(rows * static_cast<std::size_t>(ctx_.T));
+  full_output_.resize(rows * static_cast<std::size_t>(g.head_dim));
+  full_entropy_.resize(rows);
+  full_mass_.resize(rows * 4);
+  full_ = kernels::FullAttention{full_probs_.data(), full_output_.data(), full_entropy_.data(), full_mass_.data()};
+  kernels::EvaluateParams ep;
+  ep.num_q_heads = g.num_q_heads;
+  ep.num_kv_heads = g.num_kv_heads;
+  ep.num_queries = ctx_.S;
+  ep.num_tokens = ctx_.T;
+  ep.head_dim = g.head_dim;
+  ep.dtype = ctx_.dtype;
+  ep.proportional_attention = proportional_attention;  // does not affect the full side
+  check(kernels::cpu::full_attention(ep, decode_.q.data.data(), prefill_.k.data.data(), prefill_.v.data.data(),
+                                     ctx_.modality.data(), full_),
+        "full attention");
+  have_full_ = true;
+  return full_;
+}
+
 const PerModality& LayerData::modality_similarity() {
   if (have_similarity_) return modality_similarity_;
   // Mean cosine over pairs of tokens of the same modality: every token with up to 8 others

@@ -535,8 +535,8 @@ LayerResult run_policy_on_layer(const PolicySpec& p, double keep, LayerData& L, 
   const std::size_t nq = static_cast<std::size_t>(Hq) * S;
   std::vector<float> err(nq), rec(nq), kl(nq), dent(nq), recm(nq * 4), mfull(nq * 4), mcomp(nq * 4);
   kernels::EvaluateOutputs eo{err.data(), rec.data(), kl.data(), dent.data(), recm.data(), mfull.data(), mcomp.data()};
-  check(kernels::cpu::evaluate_attention(ep, L.decode().q.data.data(), L.prefill().k.data.data(),
-                                         L.prefill().v.data.data(), ctx.modality.data(), cache, eo),
+  check(kernels::cpu::evaluate_attention(ep, L.decode().q.data.data(), ctx.modality.data(),
+                                         L.full_attention(p.proportional_attention), cache, eo),
         "evaluate");
   for (int h = 0; h < H; ++h) {
     Quality& q = res.heads[static_cast<std::size_t>(h)].quality;

@@ -4,6 +4,7 @@
 #include <iostream>
 #include <string>
 
+#include "kvscope/cli/progress.hpp"
 #include "kvscope/sim/info.hpp"
 #include "plan_command.hpp"
 #include "sweep_command.hpp"
@@ -66,6 +67,7 @@ int cmd_info(const std::vector<std::string>& args) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  kvscope::cli::use_fast_blas_core(argv);
   if (argc < 2) {
     print_usage(std::cerr);
     return kExitError;

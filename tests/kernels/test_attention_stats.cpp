@@ -213,6 +213,32 @@ TEST(AttentionStats, ResultsDoNotDependOnThreadCount) {
   EXPECT_EQ(ra, rb);
 }
 
+// The CPU backend computes rows in blocks of 64 queries (one sgemm per block, the
+// block's key range cut at the last key its rows can see): a prefill of 150 rows
+// (blocks 64, 64, 22) with GQA, query ranges starting inside a block, and the fused
+// cross-modal pass (received and given together) against separate calls.
+TEST(AttentionStats, BlockedRowsMatchReferenceAcrossBlockEdges) {
+  for (kk::DType t : {kk::DType::kF16, kk::DType::kF32}) {
+    const AttentionCase c = make_case(4, 2, 150, 150, 64, t, 901);
+    const auto p = reference_probs(c);
+    for (auto [b, e] : {std::pair{0, 150}, std::pair{63, 65}, std::pair{100, 150}, std::pair{149, 150}}) {
+      std::vector<float> out(static_cast<std::size_t>(c.hq) * c.tk, -1.0f);
+      ASSERT_TRUE(kc::accumulated_attention(c.problem(), kk::QueryRange{b, e}, out.data()).ok());
+      EXPECT_TRUE(all_close(out, reference_colsum(c, p, b, e), kAtol, kRtol,
+                            c.params() + " range [" + std::to_string(b) + ", " + std::to_string(e) + ")"));
+    }
+    std::vector<float> r(static_cast<std::size_t>(c.hq) * c.tk), g(r.size()), r1(r.size()), g1(r.size());
+    ASSERT_TRUE(
+        kc::cross_modal_interaction(c.problem(), c.k_mod.data(), c.q_mod.data(), r.data(), g.data()).ok());
+    ASSERT_TRUE(
+        kc::cross_modal_interaction(c.problem(), c.k_mod.data(), c.q_mod.data(), r1.data(), nullptr).ok());
+    ASSERT_TRUE(
+        kc::cross_modal_interaction(c.problem(), c.k_mod.data(), c.q_mod.data(), nullptr, g1.data()).ok());
+    EXPECT_EQ(r, r1) << c.params();
+    EXPECT_EQ(g, g1) << c.params();
+  }
+}
+
 TEST(AttentionStats, RejectsBadArguments) {
   const AttentionCase c = make_case(8, 2, 8, 8, 4, kk::DType::kF32, 1);
   std::vector<float> out(8 * 8 * 4);

@@ -267,3 +267,152 @@ TEST(EvaluateCpu, RejectsBadArguments) {
                                            pr.cache(), r.outputs())
                    .ok());
 }
+
+// ---- FullAttention: precomputed full-cache side, reused for every compressed cache ----
+
+namespace {
+
+struct FullBuffers {
+  std::vector<float> probs, output, entropy, mass;  // [R, T], [R, D], [R], [R, 4]
+  explicit FullBuffers(const kk::EvaluateParams& p) {
+    const std::size_t rows = static_cast<std::size_t>(p.num_q_heads) * p.num_queries;
+    probs.assign(rows * p.num_tokens, -9.0f);
+    output.assign(rows * p.head_dim, -9.0f);
+    entropy.assign(rows, -9.0f);
+    mass.assign(rows * 4, -9.0f);
+  }
+  kk::FullAttention view() { return {probs.data(), output.data(), entropy.data(), mass.data()}; }
+};
+
+// Float64 full attention of every (q head, query) row.
+void reference_full(const EvalProblem& pr, std::vector<double>& probs, std::vector<double>& output,
+                    std::vector<double>& entropy, std::vector<double>& mass) {
+  const auto& p = pr.params;
+  const int Hq = p.num_q_heads, Nq = p.num_queries, T = p.num_tokens, D = p.head_dim;
+  const int G = Hq / p.num_kv_heads;
+  const std::size_t rows = static_cast<std::size_t>(Hq) * Nq;
+  probs.assign(rows * T, 0.0);
+  output.assign(rows * D, 0.0);
+  entropy.assign(rows, 0.0);
+  mass.assign(rows * 4, 0.0);
+  for (std::size_t r = 0; r < rows; ++r) {
+    const int h = static_cast<int>(r / Nq) / G;
+    std::vector<double> z(T);
+    double m = -1e300;
+    for (int t = 0; t < T; ++t) {
+      double s = 0.0;
+      for (int d = 0; d < D; ++d)
+        s += static_cast<double>(pr.q[r * D + d]) * pr.k[(static_cast<std::size_t>(h) * T + t) * D + d];
+      z[t] = s / std::sqrt(static_cast<double>(D));
+      m = std::max(m, z[t]);
+    }
+    double sum = 0.0;
+    for (int t = 0; t < T; ++t) sum += std::exp(z[t] - m);
+    for (int t = 0; t < T; ++t) {
+      const double pt = std::exp(z[t] - m) / sum;
+      probs[r * T + t] = pt;
+      entropy[r] -= pt > 0.0 ? pt * std::log(pt) : 0.0;
+      mass[r * 4 + pr.modality[t]] += pt;
+      for (int d = 0; d < D; ++d)
+        output[r * D + d] += pt * pr.v[(static_cast<std::size_t>(h) * T + t) * D + d];
+    }
+  }
+}
+
+}  // namespace
+
+TEST(EvaluateCpu, FullAttentionMatchesFloat64Reference) {
+  struct Shape {
+    int Hq, Hkv, Nq, T, D;
+  };
+  const Shape shapes[] = {{1, 1, 1, 1, 1}, {2, 1, 3, 7, 5}, {4, 2, 33, 33, 16}, {8, 2, 20, 577, 128}};
+  std::uint64_t seed = 3000;
+  for (const Shape& sh : shapes) {
+    const EvalProblem pr = make_eval_problem(sh.Hq, sh.Hkv, sh.Nq, sh.T, sh.D, seed++);
+    FullBuffers got(pr.params);
+    const kk::Status s = kk::cpu::full_attention(pr.params, pr.q.data(), pr.k.data(), pr.v.data(),
+                                                 pr.modality.data(), got.view());
+    ASSERT_TRUE(s.ok()) << s.message();
+    std::vector<double> probs, output, entropy, mass;
+    reference_full(pr, probs, output, entropy, mass);
+    const std::string what = describe(pr);
+    EXPECT_TRUE(all_close(got.probs, probs, 1e-7, 1e-5, what + " probs"));
+    EXPECT_TRUE(all_close(got.output, output, 1e-6, 1e-4, what + " output"));
+    EXPECT_TRUE(all_close(got.entropy, entropy, 1e-5, 1e-5, what + " entropy"));
+    EXPECT_TRUE(all_close(got.mass, mass, 1e-6, 1e-5, what + " modality_mass"));
+  }
+}
+
+// One full_attention per layer reused for several caches gives exactly the k/v path.
+TEST(EvaluateCpu, FullAttentionOverloadEqualsKvOverloadBitForBit) {
+  struct Shape {
+    int Hq, Hkv, Nq, T, D;
+  };
+  const Shape shapes[] = {{1, 1, 1, 1, 1}, {4, 2, 5, 33, 16}, {6, 3, 17, 130, 64}, {8, 2, 9, 300, 128}};
+  std::uint64_t seed = 4000;
+  for (const Shape& sh : shapes) {
+    EvalProblem pr = make_eval_problem(sh.Hq, sh.Hkv, sh.Nq, sh.T, sh.D, seed++);
+    FullBuffers full(pr.params);
+    ASSERT_TRUE(kk::cpu::full_attention(pr.params, pr.q.data(), pr.k.data(), pr.v.data(), pr.modality.data(),
+                                        full.view())
+                    .ok());
+    for (int variant = 0; variant < 3; ++variant) {  // three caches over the same layer
+      EvalProblem c = variant == 0 ? pr
+                                   : make_eval_problem(sh.Hq, sh.Hkv, sh.Nq, sh.T, sh.D, seed, variant == 1,
+                                                       variant == 1 ? 0.25f : 0.9f);
+      c.q = pr.q, c.k = pr.k, c.v = pr.v, c.modality = pr.modality;
+      const EvalResult want = run_cpu(c);
+      EvalResult got(want.recall.size());
+      const kk::Status s = kk::cpu::evaluate_attention(c.params, c.q.data(), c.modality.data(), full.view(),
+                                                       c.cache(), got.outputs());
+      ASSERT_TRUE(s.ok()) << s.message();
+      const std::string what = describe(c) + " variant " + std::to_string(variant);
+      EXPECT_EQ(got.output_error, want.output_error) << what;
+      EXPECT_EQ(got.recall, want.recall) << what;
+      EXPECT_EQ(got.kl, want.kl) << what;
+      EXPECT_EQ(got.entropy_change, want.entropy_change) << what;
+      EXPECT_EQ(got.recall_modality, want.recall_modality) << what;
+      EXPECT_EQ(got.mass_full, want.mass_full) << what;
+      EXPECT_EQ(got.mass_compressed, want.mass_compressed) << what;
+      expect_matches_reference(got, c, 2e-5);
+    }
+  }
+}
+
+TEST(EvaluateCpu, FullAttentionRejectsBadArguments) {
+  EvalProblem pr = make_eval_problem(4, 2, 2, 12, 8, 4);
+  FullBuffers full(pr.params);
+  const auto run_full = [&](const kk::EvaluateParams& p, const kk::FullAttention& f,
+                            const std::uint8_t* mod) {
+    return kk::cpu::full_attention(p, pr.q.data(), pr.k.data(), pr.v.data(), mod, f);
+  };
+  EXPECT_TRUE(run_full(pr.params, full.view(), pr.modality.data()).ok());
+  kk::FullAttention no_probs = full.view();
+  no_probs.probs = nullptr;
+  EXPECT_FALSE(run_full(pr.params, no_probs, pr.modality.data()).ok());
+  kk::FullAttention no_mass = full.view();
+  no_mass.modality_mass = nullptr;
+  EXPECT_TRUE(run_full(pr.params, no_mass, nullptr).ok());  // modality only needed for the masses
+  EXPECT_FALSE(run_full(pr.params, full.view(), nullptr).ok());
+  kk::EvaluateParams bad = pr.params;
+  bad.num_kv_heads = 3;
+  kk::Status s = run_full(bad, full.view(), pr.modality.data());
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("full_attention"), std::string::npos) << s.message();
+  bad = pr.params;
+  bad.num_tokens = 0;
+  EXPECT_FALSE(run_full(bad, full.view(), pr.modality.data()).ok());
+
+  EvalResult r(8);
+  EXPECT_FALSE(kk::cpu::evaluate_attention(pr.params, pr.q.data(), pr.modality.data(), no_probs, pr.cache(),
+                                           r.outputs())
+                   .ok());
+  EvalProblem badmap = pr;
+  badmap.token_to_slot[0] = -2;
+  EXPECT_FALSE(kk::cpu::evaluate_attention(pr.params, pr.q.data(), pr.modality.data(), full.view(),
+                                           badmap.cache(), r.outputs())
+                   .ok());
+  EXPECT_FALSE(kk::cpu::evaluate_attention(pr.params, nullptr, pr.modality.data(), full.view(), pr.cache(),
+                                           r.outputs())
+                   .ok());
+}

@@ -164,3 +164,70 @@ TEST(EvaluateCuda, RejectsBadDeviceData) {
   c.multiplicity_f32 = dmf_bad.ptr;
   EXPECT_FALSE(kk::cuda::evaluate_attention(pr.params, dq.ptr, dk.ptr, dv.ptr, dmod.ptr, c, o, nullptr).ok());
 }
+
+// cuda::full_attention and the FullAttention overload against the CPU backend: the
+// full-cache side once per problem, then two compressed caches over it.
+TEST(EvaluateCuda, FullAttentionMatchesCpu) {
+  KVSCOPE_REQUIRE_GPU();
+  struct Shape {
+    int Hq, Hkv, Nq, T, D;
+  };
+  const Shape shapes[] = {{1, 1, 1, 1, 1}, {4, 2, 5, 33, 16}, {8, 2, 4, 577, 128}, {32, 8, 32, 2048, 128}};
+  std::uint64_t seed = 5000;
+  for (const Shape& sh : shapes) {
+    const EvalProblem pr = make_eval_problem(sh.Hq, sh.Hkv, sh.Nq, sh.T, sh.D, seed++);
+    const auto& p = pr.params;
+    const std::size_t rows = static_cast<std::size_t>(p.num_q_heads) * p.num_queries;
+    std::vector<float> probs(rows * p.num_tokens), output(rows * p.head_dim), entropy(rows), mass(rows * 4);
+    const kk::FullAttention host_full{probs.data(), output.data(), entropy.data(), mass.data()};
+    ASSERT_TRUE(
+        kk::cpu::full_attention(p, pr.q.data(), pr.k.data(), pr.v.data(), pr.modality.data(), host_full)
+            .ok());
+    DeviceVector<float> dq(pr.q), dk(pr.k), dv(pr.v);
+    DeviceVector<std::uint8_t> dmod(pr.modality);
+    DeviceVector<float> dprobs(probs.size()), doutput(output.size()), dentropy(entropy.size()),
+        dmass(mass.size());
+    const kk::FullAttention dev_full{dprobs.ptr, doutput.ptr, dentropy.ptr, dmass.ptr};
+    kk::Status s = kk::cuda::full_attention(p, dq.ptr, dk.ptr, dv.ptr, dmod.ptr, dev_full, nullptr);
+    ASSERT_TRUE(s.ok()) << s.message();
+    const std::string what = "Hq=" + std::to_string(p.num_q_heads) +
+                             " Hkv=" + std::to_string(p.num_kv_heads) +
+                             " Nq=" + std::to_string(p.num_queries) + " T=" + std::to_string(p.num_tokens) +
+                             " D=" + std::to_string(p.head_dim);
+    EXPECT_TRUE(all_close(dprobs.host(), probs, 1e-7, 1e-4, what + " probs"));
+    EXPECT_TRUE(all_close(doutput.host(), output, 2e-6, 1e-4, what + " output"));
+    EXPECT_TRUE(all_close(dentropy.host(), entropy, 2e-5, 1e-4, what + " entropy"));
+    EXPECT_TRUE(all_close(dmass.host(), mass, 2e-6, 1e-4, what + " modality_mass"));
+
+    for (int variant = 0; variant < 2; ++variant) {
+      EvalProblem c = make_eval_problem(sh.Hq, sh.Hkv, sh.Nq, sh.T, sh.D, seed++, variant == 1, 0.3f);
+      Outputs cpu(rows);
+      ASSERT_TRUE(
+          kk::cpu::evaluate_attention(p, pr.q.data(), pr.modality.data(), host_full, c.cache(), cpu.ptrs())
+              .ok());
+      DeviceVector<std::uint8_t> dsmod(c.slot_modality);
+      DeviceVector<float> dsk(c.slot_k), dsv(c.slot_v), dmf(c.mult_f32);
+      DeviceVector<std::int32_t> doff(c.offsets), dmi(c.mult_i32), dmap(c.token_to_slot);
+      kk::CompressedCache dc;
+      dc.k = dsk.ptr;
+      dc.v = dsv.ptr;
+      dc.slot_offsets = doff.ptr;
+      dc.multiplicity_f32 = c.mult_f32.empty() ? nullptr : dmf.ptr;
+      dc.multiplicity_i32 = c.mult_i32.empty() ? nullptr : dmi.ptr;
+      dc.slot_modality = dsmod.ptr;
+      dc.token_to_slot = dmap.ptr;
+      std::vector<DeviceVector<float>*> dout;
+      for (int i = 0; i < 7; ++i) dout.push_back(new DeviceVector<float>(cpu.v[i].size()));
+      const kk::EvaluateOutputs o{dout[0]->ptr, dout[1]->ptr, dout[2]->ptr, dout[3]->ptr,
+                                  dout[4]->ptr, dout[5]->ptr, dout[6]->ptr};
+      s = kk::cuda::evaluate_attention(p, dq.ptr, dmod.ptr, dev_full, dc, o, nullptr);
+      EXPECT_TRUE(s.ok()) << s.message();
+      if (s.ok()) {
+        for (int i = 0; i < 7; ++i)
+          EXPECT_TRUE(all_close(dout[i]->host(), cpu.v[i], 2e-5, 1e-4,
+                                what + " variant " + std::to_string(variant) + " " + kNames[i]));
+      }
+      for (auto* d : dout) delete d;
+    }
+  }
+}

@@ -1,11 +1,23 @@
-// CPU backend of the attention statistics: OpenMP over (query head, query
-// chunk), one attention row at a time (never a [Tq, Tk] matrix), per-chunk
-// accumulators reduced in a fixed order so results do not depend on the
-// number of threads.
+// CPU backend of the attention statistics. Work item: one query head x a block of
+// up to kQueryBlock query rows. The block's logits [Bq, Tk'] come from one
+// single-threaded cblas_sgemm on fp32 copies of Q and K (K converted once per kv
+// head, Tk' = the last key any row of the block can see), then each row is masked
+// and soft-maxed in place (fp32, max subtracted, vectorised exp). OpenMP runs the
+// blocks in parallel; OpenBLAS is kept at one thread (set_blas_single_threaded) so
+// its own pool never competes with the OpenMP team. Per-block accumulators are
+// reduced in block order, so results do not depend on the number of threads.
 #include "kvscope/kernels/attention_stats.hpp"
 
+#include <cblas.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
+#include <bit>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -22,137 +34,232 @@ using detail::query_position;
 // Below this many elementary operations a loop runs on the calling thread:
 // waking the OpenMP team costs more than the work.
 constexpr double kMinParallelWork = 32768.0;
+// Query rows per work item: the [kQueryBlock, Tk] logits block stays in L2 for
+// llava-sized T and the sgemm is tall enough to run near peak.
+constexpr int kQueryBlock = 64;
 
-// K of one kv head as float: points into the input for fp32, else converted.
+// The kernels call sgemm from inside OpenMP parallel regions: OpenBLAS (pthread
+// build) must not start its own threads there. Process-wide setting, re-applied on
+// every launcher call in case someone else raised it in between.
+void set_blas_single_threaded() {
+  if (openblas_get_num_threads() != 1) openblas_set_num_threads(1);
+}
+
+// exp(x) for a vectorisable loop (no libm call): Cody-Waite range reduction
+// x = n ln2 + r, a degree-6 polynomial for exp(r) on |r| <= ln2 / 2 and 2^n from the
+// exponent bits. Relative error below 2e-7 on [-87, 88]; exp(x) = 0 for x < -87
+// (including -inf, the masked logits), which is below fp32's normal range anyway.
+inline float exp_vec(float x) {
+  const float xc = std::min(x, 88.0f);
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float n = (xc * 1.44269504088896341f + magic) - magic;
+  const float r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = (p * r) * r + r + 1.0f;
+  const float pow2n = std::bit_cast<float>((static_cast<std::int32_t>(n) + 127) << 23);
+  return x < -87.0f ? 0.0f : y * pow2n;
+}
+
+// Converts elements [offset, offset + n) of a dtype tensor to float.
+void to_float(const void* src, DType t, std::size_t offset, std::size_t n, float* dst) {
+  if (t == DType::kF32) {
+    std::memcpy(dst, static_cast<const float*>(src) + offset, n * sizeof(float));
+    return;
+  }
+  const std::uint16_t* p = static_cast<const std::uint16_t*>(src) + offset;
+  if (t == DType::kF16) {
+    std::size_t i = 0;
+#if defined(__F16C__)
+    // Hardware conversion, exact like half_to_float (fp16 -> fp32 never rounds).
+    for (; i + 8 <= n; i += 8) {
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
+    }
+#endif
+    for (; i < n; ++i) dst[i] = half_to_float(p[i]);
+  } else {
+    for (std::size_t i = 0; i < n; ++i) dst[i] = bf16_to_float(p[i]);
+  }
+}
+
+// K of one kv head as float, cached per thread: points into the input for fp32,
+// else converted when the head changes.
 class FloatKeys {
  public:
   const float* head(const AttentionProblem& a, int h) {
     const std::size_t n = static_cast<std::size_t>(a.k_len) * a.head_dim;
     const std::size_t base = static_cast<std::size_t>(h) * n;
     if (a.dtype == DType::kF32) return static_cast<const float*>(a.k) + base;
-    buf_.resize(n);
-    float* dst = buf_.data();
-    const void* src = a.k;
-    const DType dt = a.dtype;
-#pragma omp parallel for schedule(static) if (n >= kMinParallelWork)
-    for (std::ptrdiff_t e = 0; e < static_cast<std::ptrdiff_t>(n); ++e) {
-      dst[e] = load_element(src, dt, base + static_cast<std::size_t>(e));
+    if (h != cached_) {
+      buf_.resize(n);
+      to_float(a.k, a.dtype, base, n, buf_.data());
+      cached_ = h;
     }
-    return dst;
+    return buf_.data();
   }
 
  private:
   std::vector<float> buf_;
+  int cached_ = -1;
 };
 
-// Dot product with 8 independent fp32 partial sums (vectorisable in a fixed
-// order, so results do not depend on the compiler's choices).
-inline float dot8(const float* a, const float* b, int n) {
-  float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  int d = 0;
-  for (; d + 8 <= n; d += 8) {
-    for (int l = 0; l < 8; ++l) acc[l] += a[d + l] * b[d + l];
-  }
-  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  for (; d < n; ++d) s += a[d] * b[d];
-  return s;
+// max of x[0, n) (-inf for n = 0) with 16 independent lanes, so that it vectorises.
+inline float row_max(const float* x, int n) {
+  constexpr int kLanes = 16;
+  float lane[kLanes];
+  for (int l = 0; l < kLanes; ++l) lane[l] = -std::numeric_limits<float>::infinity();
+  int t = 0;
+  for (; t + kLanes <= n; t += kLanes)
+    for (int l = 0; l < kLanes; ++l) lane[l] = lane[l] > x[t + l] ? lane[l] : x[t + l];
+  for (; t < n; ++t) lane[0] = lane[0] > x[t] ? lane[0] : x[t];
+  float m = lane[0];
+  for (int l = 1; l < kLanes; ++l) m = m > lane[l] ? m : lane[l];
+  return m;
 }
 
-// Computes attention row (j, i) into p[0, limit); keys >= limit are invisible
-// (p = 0, not written). Returns limit, or 0 when no key is visible.
-// qrow: scratch [head_dim].
-int attention_row(const AttentionProblem& a, const float* keys, int j, int i, float* qrow, float* p) {
-  const int D = a.head_dim;
-  const std::size_t qbase = (static_cast<std::size_t>(j) * a.q_len + i) * D;
-  for (int d = 0; d < D; ++d) qrow[d] = load_element(a.q, a.dtype, qbase + d);
-  const std::int32_t qpos = query_position(a, i);
-  const int limit = key_limit(a, qpos);
+// Thread-local buffers of one work item.
+struct BlockScratch {
+  std::vector<float> q;    // [kQueryBlock, head_dim]
+  std::vector<float> p;    // [kQueryBlock, ld] logits, then probabilities
+  std::vector<int> limit;  // [kQueryBlock] keys >= limit[r] are invisible to row r
+  int ld = 0;              // row stride of p
+};
+
+// Attention rows (j, i) for i in [i0, i1) into s.p: row r = i - i0 holds p(i, t)
+// for t < s.limit[r] (masked keys inside the limit are 0; a row with no visible
+// key gets limit 0).
+void attention_block(const AttentionProblem& a, const float* keys, int j, int i0, int i1, BlockScratch& s) {
+  const int D = a.head_dim, nr = i1 - i0;
+  int block_limit = 0;
+  for (int r = 0; r < nr; ++r) {
+    s.limit[r] = key_limit(a, query_position(a, i0 + r));
+    block_limit = std::max(block_limit, s.limit[r]);
+  }
+  if (block_limit == 0) return;
+  to_float(a.q, a.dtype, (static_cast<std::size_t>(j) * a.q_len + i0) * D, static_cast<std::size_t>(nr) * D,
+           s.q.data());
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  s.ld = block_limit;
+  // logits[r, t] = scale * q_r . k_t for t < block_limit.
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, block_limit, D, scale, s.q.data(), D, keys, D,
+              0.0f, s.p.data(), s.ld);
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  float m = neg_inf;
-  for (int t = 0; t < limit; ++t) {
-    if (!key_visible(a, qpos, t)) {
-      p[t] = neg_inf;
+  const bool masked = a.causal && a.k_pos != nullptr;  // else visibility is exactly t < limit
+  for (int r = 0; r < nr; ++r) {
+    float* p = s.p.data() + static_cast<std::size_t>(r) * s.ld;
+    const int limit = s.limit[r];
+    if (masked) {  // explicit key positions: visible iff k_pos[t] <= qpos
+      const std::int32_t qpos = query_position(a, i0 + r);
+      const std::int32_t* kp = a.k_pos;
+      for (int t = 0; t < limit; ++t) p[t] = kp[t] <= qpos ? p[t] : neg_inf;
+    }
+    const float m = row_max(p, limit);
+    if (m == neg_inf) {
+      s.limit[r] = 0;
       continue;
     }
-    const float s = dot8(qrow, keys + static_cast<std::size_t>(t) * D, D) * scale;
-    p[t] = s;
-    m = std::max(m, s);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int t = 0; t < limit; ++t) {
+      const float e = exp_vec(p[t] - m);  // masked keys: exp(-inf) = 0
+      p[t] = e;
+      sum += e;
+    }
+    const float inv = 1.0f / sum;
+    for (int t = 0; t < limit; ++t) p[t] *= inv;
   }
-  if (m == neg_inf) {
-    std::fill(p, p + limit, 0.0f);
-    return 0;
-  }
-  float sum = 0.0f;
-  for (int t = 0; t < limit; ++t) {
-    const float e = std::exp(p[t] - m);  // exp(-inf) = 0 for masked keys
-    p[t] = e;
-    sum += e;
-  }
-  for (int t = 0; t < limit; ++t) p[t] = p[t] / sum;
-  return limit;
 }
 
-// Sums rows [q_begin, q_end) into out[j, t] through `add_row(j, i, p, limit,
-// acc)`, which adds one row into a chunk accumulator acc[k_len]. Chunks are
-// reduced in index order.
+// Runs attention_block over every (query head, block of rows in [q_begin, q_end))
+// and calls use_block(task, j, i0, i1, s) after each, task = (h - h0) * G * nblocks
+// + g * nblocks + block for kv heads of the current wave [h0, h1), so callers can
+// keep one accumulator per task; after_wave(h0, h1) then runs on the calling thread.
+// Waves bound such accumulators to about kWaveFloats and keep the number of OpenMP
+// barriers small (one wave for llava-sized layers).
+constexpr double kWaveFloats = 16.0 * 1024 * 1024;
+int wave_heads(const AttentionProblem& a, int q_begin, int q_end) {
+  const int G = a.num_q_heads / a.num_kv_heads;
+  const double per_head =
+      static_cast<double>(G) * ((q_end - q_begin + kQueryBlock - 1) / kQueryBlock) * a.k_len;
+  return static_cast<int>(std::clamp(kWaveFloats / per_head, 1.0, static_cast<double>(a.num_kv_heads)));
+}
+
+template <typename UseBlock, typename AfterWave>
+void for_each_block(const AttentionProblem& a, int q_begin, int q_end, UseBlock use_block,
+                    AfterWave after_wave) {
+  set_blas_single_threaded();
+  const int G = a.num_q_heads / a.num_kv_heads;
+  const int nblocks = (q_end - q_begin + kQueryBlock - 1) / kQueryBlock;
+  const int wave = wave_heads(a, q_begin, q_end);
+  for (int h0 = 0; h0 < a.num_kv_heads; h0 += wave) {
+    const int h1 = std::min(a.num_kv_heads, h0 + wave);
+    const int tasks = (h1 - h0) * G * nblocks;
+    const double work = static_cast<double>(h1 - h0) * G * (q_end - q_begin) * a.k_len * a.head_dim;
+#pragma omp parallel if (work >= kMinParallelWork)
+    {
+      FloatKeys fk;
+      BlockScratch s;
+      s.q.resize(static_cast<std::size_t>(kQueryBlock) * a.head_dim);
+      s.p.resize(static_cast<std::size_t>(kQueryBlock) * a.k_len);
+      s.limit.resize(kQueryBlock);
+#pragma omp for schedule(dynamic, 1)
+      for (int task = 0; task < tasks; ++task) {
+        const int h = h0 + task / (G * nblocks), g = task / nblocks % G, b = task % nblocks;
+        const int i0 = q_begin + b * kQueryBlock, i1 = std::min(q_end, i0 + kQueryBlock);
+        attention_block(a, fk.head(a, h), h * G + g, i0, i1, s);
+        use_block(task, h * G + g, i0, i1, s);
+      }
+    }
+    after_wave(h0, h1);
+  }
+}
+
+// Sums rows [q_begin, q_end) into out[j, t] through `add_row(j, i, p, limit, acc)`,
+// which adds one row into the block's accumulator acc[k_len]. Blocks are reduced in
+// index order.
 template <typename AddRow>
 void accumulate_rows(const AttentionProblem& a, int q_begin, int q_end, float* out, AddRow add_row) {
   const int Tk = a.k_len;
   const int G = a.num_q_heads / a.num_kv_heads;
-  const int rows = q_end - q_begin;
-  const int nchunks = std::max(1, std::min(rows, 64 / G));
-  std::vector<float> partial(static_cast<std::size_t>(G) * nchunks * Tk);
-  const double work = static_cast<double>(G) * rows * Tk * a.head_dim;  // per kv head
-  FloatKeys fk;
-  for (int h = 0; h < a.num_kv_heads; ++h) {
-    const float* keys = fk.head(a, h);
-    std::fill(partial.begin(), partial.end(), 0.0f);
-#pragma omp parallel if (work >= kMinParallelWork)
-    {
-      std::vector<float> qrow(a.head_dim), p(Tk);
-#pragma omp for schedule(dynamic, 1)
-      for (int task = 0; task < G * nchunks; ++task) {
-        const int g = task / nchunks, c = task % nchunks;
-        const int j = h * G + g;
-        const int i0 = q_begin + static_cast<int>(static_cast<long long>(rows) * c / nchunks);
-        const int i1 = q_begin + static_cast<int>(static_cast<long long>(rows) * (c + 1) / nchunks);
+  const int nblocks = (q_end - q_begin + kQueryBlock - 1) / kQueryBlock;
+  std::vector<float> partial(static_cast<std::size_t>(wave_heads(a, q_begin, q_end)) * G * nblocks * Tk);
+  for_each_block(
+      a, q_begin, q_end,
+      [&](int task, int j, int i0, int i1, const BlockScratch& s) {
         float* acc = partial.data() + static_cast<std::size_t>(task) * Tk;
+        std::fill(acc, acc + Tk, 0.0f);
         for (int i = i0; i < i1; ++i) {
-          const int limit = attention_row(a, keys, j, i, qrow.data(), p.data());
-          add_row(j, i, p.data(), limit, acc);
+          add_row(j, i, s.p.data() + static_cast<std::size_t>(i - i0) * s.ld, s.limit[i - i0], acc);
         }
-      }
-    }
-#pragma omp parallel for schedule(static) if (static_cast <double>(G) * Tk * nchunks >= kMinParallelWork)
-    for (std::ptrdiff_t e = 0; e < static_cast<std::ptrdiff_t>(G) * Tk; ++e) {
-      const int g = static_cast<int>(e / Tk), t = static_cast<int>(e % Tk);
-      float s = 0.0f;
-      for (int c = 0; c < nchunks; ++c) s += partial[(static_cast<std::size_t>(g) * nchunks + c) * Tk + t];
-      out[static_cast<std::size_t>(h * G + g) * Tk + t] = s;
-    }
-  }
+      },
+      [&](int h0, int h1) {
+        const std::ptrdiff_t n = static_cast<std::ptrdiff_t>(h1 - h0) * G * Tk;  // rows (j, t) of the wave
+#pragma omp parallel for schedule(static) if (static_cast <double>(n) * nblocks >= kMinParallelWork)
+        for (std::ptrdiff_t e = 0; e < n; ++e) {
+          const std::ptrdiff_t jw = e / Tk, t = e % Tk;  // query head within the wave
+          float sum = 0.0f;
+          for (int b = 0; b < nblocks; ++b)
+            sum += partial[(static_cast<std::size_t>(jw) * nblocks + b) * Tk + t];
+          out[static_cast<std::size_t>(h0) * G * Tk + e] = sum;
+        }
+      });
 }
 
 // Calls `use_row(j, i, p, limit)` for every row of the problem, in parallel.
 template <typename UseRow>
 void for_each_row(const AttentionProblem& a, UseRow use_row) {
-  const int G = a.num_q_heads / a.num_kv_heads;
-  const double work = static_cast<double>(G) * a.q_len * a.k_len * a.head_dim;  // per kv head
-  FloatKeys fk;
-  for (int h = 0; h < a.num_kv_heads; ++h) {
-    const float* keys = fk.head(a, h);
-#pragma omp parallel if (work >= kMinParallelWork)
-    {
-      std::vector<float> qrow(a.head_dim), p(a.k_len);
-#pragma omp for schedule(dynamic, 4)
-      for (std::ptrdiff_t task = 0; task < static_cast<std::ptrdiff_t>(G) * a.q_len; ++task) {
-        const int j = h * G + static_cast<int>(task / a.q_len), i = static_cast<int>(task % a.q_len);
-        const int limit = attention_row(a, keys, j, i, qrow.data(), p.data());
-        use_row(j, i, p.data(), limit);
-      }
-    }
-  }
+  for_each_block(
+      a, 0, a.q_len,
+      [&](int, int j, int i0, int i1, const BlockScratch& s) {
+        for (int i = i0; i < i1; ++i) {
+          use_row(j, i, s.p.data() + static_cast<std::size_t>(i - i0) * s.ld, s.limit[i - i0]);
+        }
+      },
+      [](int, int) {});
 }
 
 Status check_modality(const std::uint8_t* m, int n, const char* fn, const char* name) {
@@ -311,33 +418,35 @@ Status cross_modal_interaction(const AttentionProblem& a, const std::uint8_t* k_
   const std::uint8_t* mk = k_modality;
   const int T = a.k_len;
 
-  if (given != nullptr) {
-    for_each_row(a, [&](int j, int i, const float* p, int limit) {
-      float s = 0.0f;
-      for (int t = 0; t < limit; ++t) s += mk[t] != mq[i] ? p[t] : 0.0f;
-      given[static_cast<std::size_t>(j) * T + i] = s;
-    });
+  // One pass over the attention rows produces both outputs.
+  const auto given_row = [&](int j, int i, const float* p, int limit) {
+    float s = 0.0f;
+    for (int t = 0; t < limit; ++t) s += mk[t] != mq[i] ? p[t] : 0.0f;
+    given[static_cast<std::size_t>(j) * T + i] = s;
+  };
+  if (received == nullptr) {
+    for_each_row(a, given_row);
+    return Status::Ok();
   }
-  if (received != nullptr) {
-    accumulate_rows(a, 0, a.q_len, received, [&](int, int i, const float* p, int limit, float* acc) {
-      const std::uint8_t qm = mq[i];
-      for (int t = 0; t < limit; ++t) acc[t] += mk[t] != qm ? p[t] : 0.0f;
-    });
-    // n_t: other-modality queries that can see key t (head independent).
-    std::vector<int> count(T);
+  accumulate_rows(a, 0, a.q_len, received, [&](int j, int i, const float* p, int limit, float* acc) {
+    const std::uint8_t qm = mq[i];
+    for (int t = 0; t < limit; ++t) acc[t] += mk[t] != qm ? p[t] : 0.0f;
+    if (given != nullptr) given_row(j, i, p, limit);
+  });
+  // n_t: other-modality queries that can see key t (head independent).
+  std::vector<int> count(T);
 #pragma omp parallel for schedule(static) if (static_cast <double>(T) * a.q_len >= kMinParallelWork)
-    for (int t = 0; t < T; ++t) {
-      int n = 0;
-      for (int i = 0; i < a.q_len; ++i) {
-        n += (mq[i] != mk[t] && key_visible(a, query_position(a, i), t)) ? 1 : 0;
-      }
-      count[t] = n;
+  for (int t = 0; t < T; ++t) {
+    int n = 0;
+    for (int i = 0; i < a.q_len; ++i) {
+      n += (mq[i] != mk[t] && key_visible(a, query_position(a, i), t)) ? 1 : 0;
     }
+    count[t] = n;
+  }
 #pragma omp parallel for schedule(static) if (static_cast <double>(a.num_q_heads) * T >= kMinParallelWork)
-    for (std::ptrdiff_t e = 0; e < static_cast<std::ptrdiff_t>(a.num_q_heads) * T; ++e) {
-      const int n = count[e % T];
-      received[e] = n > 0 ? received[e] / static_cast<float>(n) : 0.0f;
-    }
+  for (std::ptrdiff_t e = 0; e < static_cast<std::ptrdiff_t>(a.num_q_heads) * T; ++e) {
+    const int n = count[e % T];
+    received[e] = n > 0 ? received[e] / static_cast<float>(n) : 0.0f;
   }
   return Status::Ok();
 }

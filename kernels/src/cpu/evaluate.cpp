@@ -1,10 +1,19 @@
 // CPU backend of compressed-cache evaluation (kvscope/kernels/evaluate.hpp).
 // Work item: one kv head x a block of up to kRowBlock query rows (its GQA group's
-// (q head, query) pairs), so every K/V tile converted to float is reused by all
-// rows of the block while it sits in L1. Math: docs/kernels/evaluate.md.
+// (q head, query) pairs stacked, [rows, D]). Q K^T and P V are single-threaded
+// cblas_sgemm calls on fp32 copies (K and V of a head converted once per thread and
+// head); OpenMP runs the work items in parallel with OpenBLAS kept at one thread.
+// The full-cache side (full_attention) is computed once per layer and reused for
+// every compressed cache. Math: docs/kernels/evaluate.md.
 #include "kvscope/kernels/evaluate.hpp"
 
+#include <cblas.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -16,10 +25,31 @@
 namespace kvscope::kernels::cpu {
 namespace {
 
-constexpr int kRowBlock = 32;  // query rows per work item (K/V tiles converted once per block)
-constexpr int kQkTile = 16;    // tokens per logits tile (K tile transposed to [D][kQkTile])
-constexpr int kPvTile = 32;    // tokens per P.V tile
-constexpr int kPvChunk = 16;   // output columns held in registers by the P.V micro-kernel
+constexpr int kRowBlock = 64;  // query rows per work item
+
+// sgemm runs inside OpenMP parallel regions: OpenBLAS (pthread build) must not start
+// its own threads there. Process-wide, re-applied on every call.
+void set_blas_single_threaded() {
+  if (openblas_get_num_threads() != 1) openblas_set_num_threads(1);
+}
+
+// Vectorisable exp(x) (same as the attention statistics): Cody-Waite reduction and a
+// degree-6 polynomial, relative error below 2e-7 on [-87, 88]; 0 for x < -87.
+inline float exp_vec(float x) {
+  const float xc = std::min(x, 88.0f);
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float n = (xc * 1.44269504088896341f + magic) - magic;
+  const float r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = (p * r) * r + r + 1.0f;
+  const float pow2n = std::bit_cast<float>((static_cast<std::int32_t>(n) + 127) << 23);
+  return x < -87.0f ? 0.0f : y * pow2n;
+}
 
 void to_float(const void* src, DType t, std::size_t offset, std::size_t n, float* dst) {
   if (t == DType::kF32) {
@@ -28,86 +58,73 @@ void to_float(const void* src, DType t, std::size_t offset, std::size_t n, float
   }
   const std::uint16_t* p = static_cast<const std::uint16_t*>(src) + offset;
   if (t == DType::kF16) {
-    for (std::size_t i = 0; i < n; ++i) dst[i] = half_to_float(p[i]);
+    std::size_t i = 0;
+#if defined(__F16C__)
+    // Hardware conversion, exact like half_to_float (fp16 -> fp32 never rounds).
+    for (; i + 8 <= n; i += 8) {
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
+    }
+#endif
+    for (; i < n; ++i) dst[i] = half_to_float(p[i]);
   } else {
     for (std::size_t i = 0; i < n; ++i) dst[i] = bf16_to_float(p[i]);
   }
 }
 
-// Logits micro-kernel for R rows: acc[r][j] = sum_d q[r][d] * kt[d][j].
-template <int R>
-inline void qk_rows(const float* q, int D, const float* kt, float scale, float* z, std::size_t ldz, int nt) {
-  float acc[R][kQkTile] = {};
-  for (int d = 0; d < D; ++d) {
-    const float* kd = kt + static_cast<std::size_t>(d) * kQkTile;
-    for (int r = 0; r < R; ++r) {
-      const float qd = q[static_cast<std::size_t>(r) * D + d];
-      for (int j = 0; j < kQkTile; ++j) acc[r][j] += qd * kd[j];
+// max of x[0, n), n >= 1, with 16 independent lanes, so that it vectorises.
+inline float row_max(const float* x, int n) {
+  constexpr int kLanes = 16;
+  float lane[kLanes];
+  for (int l = 0; l < kLanes; ++l) lane[l] = x[0];
+  int t = 0;
+  for (; t + kLanes <= n; t += kLanes)
+    for (int l = 0; l < kLanes; ++l) lane[l] = lane[l] > x[t + l] ? lane[l] : x[t + l];
+  for (; t < n; ++t) lane[0] = lane[0] > x[t] ? lane[0] : x[t];
+  float m = lane[0];
+  for (int l = 1; l < kLanes; ++l) m = m > lane[l] ? m : lane[l];
+  return m;
+}
+
+// [T, D] slice of head h of a [Hkv, T, D] tensor as float, cached per thread.
+class FloatHead {
+ public:
+  const float* get(const void* x, DType dt, int h, int T, int D) {
+    const std::size_t n = static_cast<std::size_t>(T) * D, base = static_cast<std::size_t>(h) * n;
+    if (dt == DType::kF32) return static_cast<const float*>(x) + base;
+    if (h != cached_) {
+      buf_.resize(n);
+      to_float(x, dt, base, n, buf_.data());
+      cached_ = h;
+    }
+    return buf_.data();
+  }
+
+ private:
+  std::vector<float> buf_;
+  int cached_ = -1;
+};
+
+// Work items: kv head h, rows [r0, r0 + nr) of its M = G * Nq stacked query rows;
+// global row of local row r is h * M + r0 + r.
+template <typename Body>
+void for_each_row_block(const EvaluateParams& p, Body body) {
+  set_blas_single_threaded();
+  const int Hkv = p.num_kv_heads;
+  const int M = (p.num_q_heads / Hkv) * p.num_queries;
+  const int blocks_per_head = (M + kRowBlock - 1) / kRowBlock;
+#pragma omp parallel
+  {
+    typename Body::Scratch scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int item = 0; item < Hkv * blocks_per_head; ++item) {
+      const int h = item / blocks_per_head;
+      const int r0 = (item % blocks_per_head) * kRowBlock;
+      body(h, static_cast<std::size_t>(h) * M + r0, std::min(kRowBlock, M - r0), scratch);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < nt; ++j) z[r * ldz + j] = acc[r][j] * scale;
 }
 
-// z[r * ldz + t] = scale * (q_r . x_t) for r < nr, t < n; x holds n rows of D elements
-// of type dt starting at element x_off. scratch: 2 * kQkTile * D floats.
-void logits(const float* q, int nr, int D, const void* x, DType dt, std::size_t x_off, int n, float scale,
-            float* z, std::size_t ldz, float* scratch) {
-  float* rows = scratch;
-  float* kt = scratch + static_cast<std::size_t>(kQkTile) * D;
-  for (int t0 = 0; t0 < n; t0 += kQkTile) {
-    const int nt = std::min(kQkTile, n - t0);
-    to_float(x, dt, x_off + static_cast<std::size_t>(t0) * D, static_cast<std::size_t>(nt) * D, rows);
-    for (int j = 0; j < kQkTile; ++j)
-      for (int d = 0; d < D; ++d)
-        kt[static_cast<std::size_t>(d) * kQkTile + j] = j < nt ? rows[j * D + d] : 0.0f;
-    int r = 0;
-    for (; r + 2 <= nr; r += 2)
-      qk_rows<2>(q + static_cast<std::size_t>(r) * D, D, kt, scale, z + r * ldz + t0, ldz, nt);
-    if (r < nr) qk_rows<1>(q + static_cast<std::size_t>(r) * D, D, kt, scale, z + r * ldz + t0, ldz, nt);
-  }
-}
-
-// o[r][c0 .. c0+W) += sum_j e[r][j] * vt[j][c0 ..] for R rows and W columns.
-template <int R, int W>
-inline void pv_rows(const float* e, std::size_t lde, int nt, const float* vt, int D, int c0, float* o) {
-  float acc[R][W];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < W; ++c) acc[r][c] = o[static_cast<std::size_t>(r) * D + c0 + c];
-  for (int j = 0; j < nt; ++j) {
-    const float* vj = vt + static_cast<std::size_t>(j) * D + c0;
-    for (int r = 0; r < R; ++r) {
-      const float ej = e[r * lde + j];
-      for (int c = 0; c < W; ++c) acc[r][c] += ej * vj[c];
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < W; ++c) o[static_cast<std::size_t>(r) * D + c0 + c] = acc[r][c];
-}
-
-template <int R>
-inline void pv_block(const float* e, std::size_t lde, int nt, const float* vt, int D, float* o) {
-  int c0 = 0;
-  for (; c0 + kPvChunk <= D; c0 += kPvChunk) pv_rows<R, kPvChunk>(e, lde, nt, vt, D, c0, o);
-  for (; c0 < D; ++c0) pv_rows<R, 1>(e, lde, nt, vt, D, c0, o);
-}
-
-// o[r * D + d] += sum_{t < n} e[r * lde + t] * x_t[d]. scratch: kPvTile * D floats.
-void accumulate_pv(const float* e, std::size_t lde, int nr, const void* x, DType dt, std::size_t x_off, int n,
-                   int D, float* o, float* scratch) {
-  for (int t0 = 0; t0 < n; t0 += kPvTile) {
-    const int nt = std::min(kPvTile, n - t0);
-    to_float(x, dt, x_off + static_cast<std::size_t>(t0) * D, static_cast<std::size_t>(nt) * D, scratch);
-    int r = 0;
-    for (; r + 2 <= nr; r += 2)
-      pv_block<2>(e + r * lde + t0, lde, nt, scratch, D, o + static_cast<std::size_t>(r) * D);
-    if (r < nr) pv_block<1>(e + r * lde + t0, lde, nt, scratch, D, o + static_cast<std::size_t>(r) * D);
-  }
-}
-
-Status validate(const EvaluateParams& p, const void* q, const void* k, const void* v,
-                const std::uint8_t* modality, const CompressedCache& c, const EvaluateOutputs& out) {
-  const std::string f = "evaluate_attention: ";
+Status validate_sizes(const EvaluateParams& p, const std::string& f) {
   const auto positive = [&](int x, const char* name) {
     return x > 0 ? Status::Ok() : Status::Invalid(f + name + " " + std::to_string(x) + " must be > 0");
   };
@@ -120,7 +137,25 @@ Status validate(const EvaluateParams& p, const void* q, const void* k, const voi
     return Status::Invalid(f + "num_q_heads " + std::to_string(p.num_q_heads) +
                            " is not a multiple of num_kv_heads " + std::to_string(p.num_kv_heads));
   }
-  if (!q || !k || !v || !modality) return Status::Invalid(f + "q, k, v and modality must not be null");
+  if (p.dtype != DType::kF32 && p.dtype != DType::kF16 && p.dtype != DType::kBF16) {
+    return Status::Invalid(f + "unknown dtype");
+  }
+  return Status::Ok();
+}
+
+Status validate_modality(const std::uint8_t* modality, int T, const std::string& f) {
+  if (!modality) return Status::Invalid(f + "modality must not be null");
+  for (int t = 0; t < T; ++t) {
+    if (modality[t] >= kNumModalities) {
+      return Status::Invalid(f + "modality[" + std::to_string(t) + "] = " + std::to_string(modality[t]) +
+                             " >= 4");
+    }
+  }
+  return Status::Ok();
+}
+
+Status validate_cache(const EvaluateParams& p, const CompressedCache& c, const EvaluateOutputs& out) {
+  const std::string f = "evaluate_attention: ";
   if (!c.slot_offsets || !c.token_to_slot) {
     return Status::Invalid(f + "cache.slot_offsets and cache.token_to_slot must not be null");
   }
@@ -141,12 +176,6 @@ Status validate(const EvaluateParams& p, const void* q, const void* k, const voi
   const std::int32_t total = c.slot_offsets[Hkv];
   if (total > 0 && (!c.k || !c.v || !c.slot_modality)) {
     return Status::Invalid(f + "cache.k, cache.v and cache.slot_modality must not be null");
-  }
-  for (int t = 0; t < T; ++t) {
-    if (modality[t] >= kNumModalities) {
-      return Status::Invalid(f + "modality[" + std::to_string(t) + "] = " + std::to_string(modality[t]) +
-                             " >= 4");
-    }
   }
   for (std::int32_t s = 0; s < total; ++s) {
     if (c.slot_modality[s] >= kNumModalities) {
@@ -173,138 +202,196 @@ Status validate(const EvaluateParams& p, const void* q, const void* k, const voi
   return Status::Ok();
 }
 
+// Thread-local buffers of a full_attention work item.
+struct FullScratch {
+  FloatHead k, v;
+  std::vector<float> q;  // [kRowBlock, D]
+};
+
+// Thread-local buffers of a compressed-evaluation work item.
+struct CompressedScratch {
+  std::vector<float> q, zc, ec, oc, log_n, slot_mass;  // [nr, D], [nr, S] x2, [nr, D], [S], [nr, S]
+};
+
 }  // namespace
 
-Status evaluate_attention(const EvaluateParams& p, const void* q, const void* k, const void* v,
-                          const std::uint8_t* modality, const CompressedCache& c,
-                          const EvaluateOutputs& out) {
-  KVSCOPE_NVTX_RANGE("cpu::evaluate_attention", kEvaluate);
-  KVSCOPE_RETURN_IF_ERROR(validate(p, q, k, v, modality, c, out));
-  const int Hkv = p.num_kv_heads, T = p.num_tokens, D = p.head_dim;
-  const int M = (p.num_q_heads / Hkv) * p.num_queries;  // query rows per kv head
-  const int blocks_per_head = (M + kRowBlock - 1) / kRowBlock;
+Status full_attention(const EvaluateParams& p, const void* q, const void* k, const void* v,
+                      const std::uint8_t* modality, const FullAttention& full) {
+  KVSCOPE_NVTX_RANGE("cpu::full_attention", kEvaluate);
+  const std::string f = "full_attention: ";
+  KVSCOPE_RETURN_IF_ERROR(validate_sizes(p, f));
+  if (!q || !k || !v) return Status::Invalid(f + "q, k and v must not be null");
+  if (!full.probs || !full.output || !full.entropy) {
+    return Status::Invalid(f + "full.probs, full.output and full.entropy must not be null");
+  }
+  if (full.modality_mass) KVSCOPE_RETURN_IF_ERROR(validate_modality(modality, p.num_tokens, f));
+  const int T = p.num_tokens, D = p.head_dim;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-
-#pragma omp parallel
-  {
-    std::vector<float> qf, z, zc, ec, slot_mass, log_n, o, oc;
-    std::vector<float> scratch(static_cast<std::size_t>(std::max(2 * kQkTile, kPvTile)) * D);
-#pragma omp for schedule(dynamic, 1)
-    for (int item = 0; item < Hkv * blocks_per_head; ++item) {
-      const int h = item / blocks_per_head;
-      const int r0 = (item % blocks_per_head) * kRowBlock;
-      const int nr = std::min(kRowBlock, M - r0);
-      const std::size_t row0 = static_cast<std::size_t>(h) * M + r0;  // global row of the first query
-      const int base = c.slot_offsets[h], S = c.slot_offsets[h + 1] - base;
-      const std::int32_t* map = c.token_to_slot + static_cast<std::size_t>(h) * T;
-      const std::size_t kv_off = static_cast<std::size_t>(h) * T * D;
-
-      qf.resize(static_cast<std::size_t>(nr) * D);
-      to_float(q, p.dtype, row0 * D, qf.size(), qf.data());
-
-      // Full attention: logits, then e_t = exp(z_t - max) in place and row sums.
-      z.resize(static_cast<std::size_t>(nr) * T);
-      logits(qf.data(), nr, D, k, p.dtype, kv_off, T, scale, z.data(), T, scratch.data());
-      slot_mass.assign(static_cast<std::size_t>(nr) * S, 0.0f);
-      std::vector<double> sum(nr), ent(nr), mass(nr * kNumModalities, 0.0), surv(nr * kNumModalities, 0.0);
+  struct Body {
+    using Scratch = FullScratch;
+    const EvaluateParams& p;
+    const void *q, *k, *v;
+    const std::uint8_t* modality;
+    const FullAttention& full;
+    int T, D;
+    float scale;
+    void operator()(int h, std::size_t row0, int nr, Scratch& s) const {
+      s.q.resize(static_cast<std::size_t>(nr) * D);
+      to_float(q, p.dtype, row0 * D, s.q.size(), s.q.data());
+      float* z = full.probs + row0 * T;  // logits, then probabilities, in place
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, T, D, scale, s.q.data(), D,
+                  s.k.get(k, p.dtype, h, T, D), D, 0.0f, z, T);
       for (int r = 0; r < nr; ++r) {
-        float* zr = z.data() + static_cast<std::size_t>(r) * T;
-        float* am = slot_mass.data() + static_cast<std::size_t>(r) * S;
-        const float m = *std::max_element(zr, zr + T);
+        float* zr = z + static_cast<std::size_t>(r) * T;
+        const float m = row_max(zr, T);
+        // e_t = exp(z_t - m); Z = sum e; H = log Z - sum e (z - m) / Z.
         double zs = 0.0, es = 0.0;
+#pragma omp simd reduction(+ : zs, es)
         for (int t = 0; t < T; ++t) {
           const float x = zr[t] - m;
-          const float e = std::exp(x);
+          const float e = exp_vec(x);
           zr[t] = e;
           zs += e;
           es += static_cast<double>(e) * x;
-          mass[r * kNumModalities + modality[t]] += e;
-          if (map[t] >= 0) {
-            surv[r * kNumModalities + modality[t]] += e;
-            am[map[t]] += e;
+        }
+        const float inv = static_cast<float>(1.0 / zs);
+        for (int t = 0; t < T; ++t) zr[t] *= inv;
+        full.entropy[row0 + r] = static_cast<float>(std::log(zs) - es / zs);
+        if (full.modality_mass) {
+          double mass[kNumModalities] = {0.0, 0.0, 0.0, 0.0};
+          for (int t = 0; t < T; ++t) mass[modality[t]] += zr[t];
+          for (int mm = 0; mm < kNumModalities; ++mm) {
+            full.modality_mass[(row0 + r) * kNumModalities + mm] = static_cast<float>(mass[mm]);
           }
         }
-        sum[r] = zs;
-        ent[r] = es;
       }
-      o.assign(static_cast<std::size_t>(nr) * D, 0.0f);
-      accumulate_pv(z.data(), T, nr, v, p.dtype, kv_off, T, D, o.data(), scratch.data());
+      // o = P V.
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nr, D, T, 1.0f, z, T,
+                  s.v.get(v, p.dtype, h, T, D), D, 0.0f, full.output + row0 * D, D);
+    }
+  };
+  for_each_row_block(p, Body{p, q, k, v, modality, full, T, D, scale});
+  return Status::Ok();
+}
 
-      // Compressed attention over the S slots of head h.
+Status evaluate_attention(const EvaluateParams& p, const void* q, const std::uint8_t* modality,
+                          const FullAttention& full, const CompressedCache& c, const EvaluateOutputs& out) {
+  KVSCOPE_NVTX_RANGE("cpu::evaluate_attention", kEvaluate);
+  const std::string f = "evaluate_attention: ";
+  KVSCOPE_RETURN_IF_ERROR(validate_sizes(p, f));
+  if (!q) return Status::Invalid(f + "q must not be null");
+  if (!full.probs || !full.output || !full.entropy) {
+    return Status::Invalid(f + "full.probs, full.output and full.entropy must not be null");
+  }
+  KVSCOPE_RETURN_IF_ERROR(validate_modality(modality, p.num_tokens, f));
+  KVSCOPE_RETURN_IF_ERROR(validate_cache(p, c, out));
+  const int T = p.num_tokens, D = p.head_dim;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  struct Body {
+    using Scratch = CompressedScratch;
+    const EvaluateParams& p;
+    const void* q;
+    const std::uint8_t* modality;
+    const FullAttention& full;
+    const CompressedCache& c;
+    const EvaluateOutputs& out;
+    int T, D;
+    float scale;
+    void operator()(int h, std::size_t row0, int nr, Scratch& s) const {
+      const int base = c.slot_offsets[h], S = c.slot_offsets[h + 1] - base;
+      const std::int32_t* map = c.token_to_slot + static_cast<std::size_t>(h) * T;
+      // Compressed attention over the S slots of head h: logits + log n_s, softmax
+      // numerators e (max subtracted), their sums and o~ = E V~ (unnormalised).
       std::vector<double> csum(nr, 0.0), cent(nr, 0.0), cmass(nr * kNumModalities, 0.0);
       std::vector<float> cmax(nr, 0.0f);
-      oc.assign(static_cast<std::size_t>(nr) * D, 0.0f);
+      s.oc.assign(static_cast<std::size_t>(nr) * D, 0.0f);
       if (S > 0) {
-        log_n.assign(S, 0.0f);
+        s.q.resize(static_cast<std::size_t>(nr) * D);
+        to_float(q, p.dtype, row0 * D, s.q.size(), s.q.data());
+        s.log_n.assign(S, 0.0f);
         if (p.proportional_attention) {
-          for (int s = 0; s < S; ++s) {
-            if (c.multiplicity_f32) log_n[s] = std::log(c.multiplicity_f32[base + s]);
-            if (c.multiplicity_i32) log_n[s] = std::log(static_cast<float>(c.multiplicity_i32[base + s]));
+          for (int k = 0; k < S; ++k) {
+            if (c.multiplicity_f32) s.log_n[k] = std::log(c.multiplicity_f32[base + k]);
+            if (c.multiplicity_i32) s.log_n[k] = std::log(static_cast<float>(c.multiplicity_i32[base + k]));
           }
         }
-        zc.resize(static_cast<std::size_t>(nr) * S);
-        ec.resize(zc.size());
-        const std::size_t slot_off = static_cast<std::size_t>(base) * D;
-        logits(qf.data(), nr, D, c.k, DType::kF32, slot_off, S, scale, zc.data(), S, scratch.data());
+        s.zc.resize(static_cast<std::size_t>(nr) * S);
+        s.ec.resize(s.zc.size());
+        const float* slot_k = c.k + static_cast<std::size_t>(base) * D;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, S, D, scale, s.q.data(), D, slot_k, D, 0.0f,
+                    s.zc.data(), S);
         for (int r = 0; r < nr; ++r) {
-          float* zr = zc.data() + static_cast<std::size_t>(r) * S;
-          float* er = ec.data() + static_cast<std::size_t>(r) * S;
-          for (int s = 0; s < S; ++s) zr[s] += log_n[s];
-          const float m = *std::max_element(zr, zr + S);
+          float* zr = s.zc.data() + static_cast<std::size_t>(r) * S;
+          float* er = s.ec.data() + static_cast<std::size_t>(r) * S;
+          for (int k = 0; k < S; ++k) zr[k] += s.log_n[k];
+          const float m = row_max(zr, S);
           cmax[r] = m;
-          for (int s = 0; s < S; ++s) {
-            const float x = zr[s] - m;
-            const float e = std::exp(x);
-            er[s] = e;
-            csum[r] += e;
-            cent[r] += static_cast<double>(e) * x;
-            cmass[r * kNumModalities + c.slot_modality[base + s]] += e;
+          double zs = 0.0, es = 0.0;
+#pragma omp simd reduction(+ : zs, es)
+          for (int k = 0; k < S; ++k) {
+            const float x = zr[k] - m;
+            const float e = exp_vec(x);
+            er[k] = e;
+            zs += e;
+            es += static_cast<double>(e) * x;
           }
+          csum[r] = zs;
+          cent[r] = es;
+          for (int k = 0; k < S; ++k) cmass[r * kNumModalities + c.slot_modality[base + k]] += er[k];
         }
-        accumulate_pv(ec.data(), S, nr, c.v, DType::kF32, slot_off, S, D, oc.data(), scratch.data());
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nr, D, S, 1.0f, s.ec.data(), S,
+                    c.v + static_cast<std::size_t>(base) * D, D, 0.0f, s.oc.data(), D);
       }
-
-      // Metrics per row.
+      s.slot_mass.assign(static_cast<std::size_t>(nr) * S, 0.0f);
       for (int r = 0; r < nr; ++r) {
         const std::size_t row = row0 + r;
-        const float Z = static_cast<float>(sum[r]);
+        const float* pr = full.probs + row * T;
+        // Full probabilities per modality, over surviving tokens, and per slot.
+        double mass[kNumModalities] = {0.0, 0.0, 0.0, 0.0}, surv[kNumModalities] = {0.0, 0.0, 0.0, 0.0};
+        float* am = s.slot_mass.data() + static_cast<std::size_t>(r) * S;
+        for (int t = 0; t < T; ++t) {
+          mass[modality[t]] += pr[t];
+          if (map[t] >= 0) {
+            surv[modality[t]] += pr[t];
+            am[map[t]] += pr[t];
+          }
+        }
+        const double total = (mass[0] + mass[1]) + (mass[2] + mass[3]);
         const float Zc = static_cast<float>(csum[r]);
+        const float* o = full.output + row * D;
         double diff2 = 0.0, norm2 = 0.0;
         for (int d = 0; d < D; ++d) {
-          const float od = o[static_cast<std::size_t>(r) * D + d] / Z;
-          const float ocd = S > 0 ? oc[static_cast<std::size_t>(r) * D + d] / Zc : 0.0f;
+          const float od = o[d];
+          const float ocd = S > 0 ? s.oc[static_cast<std::size_t>(r) * D + d] / Zc : 0.0f;
           diff2 += static_cast<double>(ocd - od) * (ocd - od);
           norm2 += static_cast<double>(od) * od;
         }
-        double survived = 0.0;
-        for (int m = 0; m < kNumModalities; ++m) survived += surv[r * kNumModalities + m];
+        const double survived = (surv[0] + surv[1]) + (surv[2] + surv[3]);
         double kl = 0.0;
-        if (survived > 0.0 && S > 0) {
+        if (out.kl && survived > 0.0 && S > 0) {
           const double log_surv = std::log(survived), log_zc = std::log(csum[r]);
-          const float* am = slot_mass.data() + static_cast<std::size_t>(r) * S;
-          const float* zr = zc.data() + static_cast<std::size_t>(r) * S;
-          for (int s = 0; s < S; ++s) {
-            if (!(am[s] > 0.0f)) continue;
-            const double log_p = std::log(static_cast<double>(am[s])) - log_surv;
-            const double log_pc = static_cast<double>(zr[s] - cmax[r]) - log_zc;
-            kl += std::exp(log_p) * (log_p - log_pc);
+          const float* zr = s.zc.data() + static_cast<std::size_t>(r) * S;
+          for (int k = 0; k < S; ++k) {
+            if (!(am[k] > 0.0f)) continue;
+            const double log_p = std::log(static_cast<double>(am[k])) - log_surv;
+            const double log_pc = static_cast<double>(zr[k] - cmax[r]) - log_zc;
+            kl += (static_cast<double>(am[k]) / survived) * (log_p - log_pc);  // P(s) (log P(s) - log p~(s))
           }
         }
-        const double h_full = std::log(sum[r]) - ent[r] / sum[r];
         const double h_comp = S > 0 ? std::log(csum[r]) - cent[r] / csum[r] : 0.0;
         const double norm = std::sqrt(norm2), diff = std::sqrt(diff2);
         if (out.output_error) out.output_error[row] = static_cast<float>(norm > 0.0 ? diff / norm : diff);
-        if (out.recall) out.recall[row] = static_cast<float>(survived / sum[r]);
+        if (out.recall) out.recall[row] = static_cast<float>(survived / total);
         if (out.kl) out.kl[row] = static_cast<float>(kl);
-        if (out.entropy_change) out.entropy_change[row] = static_cast<float>(h_comp - h_full);
+        if (out.entropy_change) {
+          out.entropy_change[row] = static_cast<float>(h_comp - static_cast<double>(full.entropy[row]));
+        }
         for (int m = 0; m < kNumModalities; ++m) {
           const std::size_t i = row * kNumModalities + m;
-          const double full_m = mass[r * kNumModalities + m];
           if (out.recall_modality) {
-            out.recall_modality[i] =
-                static_cast<float>(full_m > 0.0 ? surv[r * kNumModalities + m] / full_m : 1.0);
+            out.recall_modality[i] = static_cast<float>(mass[m] > 0.0 ? surv[m] / mass[m] : 1.0);
           }
-          if (out.mass_full) out.mass_full[i] = static_cast<float>(full_m / sum[r]);
+          if (out.mass_full) out.mass_full[i] = static_cast<float>(mass[m] / total);
           if (out.mass_compressed) {
             out.mass_compressed[i] =
                 static_cast<float>(S > 0 ? cmass[r * kNumModalities + m] / csum[r] : 0.0);
@@ -312,8 +399,25 @@ Status evaluate_attention(const EvaluateParams& p, const void* q, const void* k,
         }
       }
     }
-  }
+  };
+  for_each_row_block(p, Body{p, q, modality, full, c, out, T, D, scale});
   return Status::Ok();
+}
+
+Status evaluate_attention(const EvaluateParams& p, const void* q, const void* k, const void* v,
+                          const std::uint8_t* modality, const CompressedCache& c,
+                          const EvaluateOutputs& out) {
+  KVSCOPE_NVTX_RANGE("cpu::evaluate_attention", kEvaluate);
+  const std::string f = "evaluate_attention: ";
+  KVSCOPE_RETURN_IF_ERROR(validate_sizes(p, f));
+  if (!q || !k || !v || !modality) return Status::Invalid(f + "q, k, v and modality must not be null");
+  KVSCOPE_RETURN_IF_ERROR(validate_modality(modality, p.num_tokens, f));
+  KVSCOPE_RETURN_IF_ERROR(validate_cache(p, c, out));
+  const std::size_t rows = static_cast<std::size_t>(p.num_q_heads) * p.num_queries;
+  std::vector<float> probs(rows * p.num_tokens), output(rows * p.head_dim), entropy(rows);
+  const FullAttention full{probs.data(), output.data(), entropy.data(), nullptr};
+  KVSCOPE_RETURN_IF_ERROR(full_attention(p, q, k, v, modality, full));
+  return evaluate_attention(p, q, modality, full, c, out);
 }
 
 }  // namespace kvscope::kernels::cpu

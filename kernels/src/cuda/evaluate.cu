@@ -240,6 +240,74 @@ __global__ void __launch_bounds__(kRowThreads)
   if (threadIdx.x == 0) st[16] = m;
 }
 
+// full_attention, one block per row: p = exp(z - max) / Z in place, H(p) and the
+// per-modality masses (modality may be nullptr when modality_mass is).
+__global__ void __launch_bounds__(kRowThreads)
+    full_softmax_kernel(float* z, int T, const std::uint8_t* modality, float* entropy, float* modality_mass,
+                        int* bad) {
+  __shared__ float red[6 * 32];
+  const long long r = blockIdx.x;
+  float* zr = z + r * T;
+  float m = -INFINITY;
+  for (int t = threadIdx.x; t < T; t += kRowThreads) m = fmaxf(m, zr[t]);
+  m = block_max(m, red);
+  float acc[6] = {};  // Z, sum e*(z-m), mass per modality
+  for (int t = threadIdx.x; t < T; t += kRowThreads) {
+    const float x = zr[t] - m;
+    const float e = expf(x);
+    zr[t] = e;
+    acc[0] += e;
+    acc[1] += e * x;
+    if (modality_mass) {
+      const int mod = modality[t];
+      if (mod >= kNumModalities) {
+        atomicExch(bad, 1);
+        continue;
+      }
+      acc[2 + mod] += e;
+    }
+  }
+  block_sum(acc, red);
+  const float inv = 1.0f / acc[0];
+  for (int t = threadIdx.x; t < T; t += kRowThreads) zr[t] *= inv;  // each thread rescales its own e
+  if (threadIdx.x != 0) return;
+  entropy[r] = logf(acc[0]) - acc[1] / acc[0];
+  if (modality_mass)
+    for (int mm = 0; mm < kNumModalities; ++mm) modality_mass[r * kNumModalities + mm] = acc[2 + mm] * inv;
+}
+
+// evaluate_attention(FullAttention), one block per row: sums of the full
+// probabilities (total, per modality, over surviving tokens), scattered onto slots.
+__global__ void __launch_bounds__(kRowThreads)
+    probs_stats_kernel(const float* probs, int T, int M, const std::uint8_t* modality,
+                       const std::int32_t* token_to_slot, const std::int32_t* offsets, float* slot_mass,
+                       long long ld_slots, float* stats, int* bad) {
+  __shared__ float red[10 * 32];
+  const long long r = blockIdx.x;
+  const int h = static_cast<int>(r / M);
+  const int S = offsets[h + 1] - offsets[h];
+  const float* pr = probs + r * T;
+  const std::int32_t* map = token_to_slot + static_cast<long long>(h) * T;
+  float acc[10] = {};  // layout of stats[0..9]; [1] unused (entropy comes from FullAttention)
+  for (int t = threadIdx.x; t < T; t += kRowThreads) {
+    const float e = pr[t];
+    const int mod = modality[t];
+    const int s = map[t];
+    if (mod >= kNumModalities || s < -1 || s >= S) {
+      atomicExch(bad, 1);
+      continue;
+    }
+    acc[0] += e;
+    acc[2 + mod] += e;
+    if (s >= 0) {
+      acc[6 + mod] += e;
+      atomicAdd(slot_mass + r * ld_slots + s, e);
+    }
+  }
+  block_sum(acc, red);
+  if (threadIdx.x < 10) stats[r * kStats + threadIdx.x] = acc[threadIdx.x];
+}
+
 // Flags slot modality codes >= 4 and multiplicities that are not > 0 (finite) / >= 1.
 __global__ void validate_slots_kernel(int total, const std::uint8_t* slot_modality, const float* mult_f32,
                                       const std::int32_t* mult_i32, int* bad) {
@@ -251,11 +319,13 @@ __global__ void validate_slots_kernel(int total, const std::uint8_t* slot_modali
   if (!ok) atomicExch(bad, 2);
 }
 
-// One block per row: the metrics.
+// One block per row: the metrics. full_entropy == nullptr: o is unnormalised and
+// stats hold sums of e; else (FullAttention) o is normalised, stats hold sums of p
+// and H(p) = full_entropy[r].
 __global__ void __launch_bounds__(kRowThreads)
     finalize_kernel(int M, int D, const std::int32_t* offsets, const float* o, const float* oc,
                     const float* zc, const float* slot_mass, long long ld_slots, const float* stats,
-                    EvaluateOutputs out) {
+                    const float* full_entropy, EvaluateOutputs out) {
   __shared__ float red[3 * 32];
   const long long r = blockIdx.x;
   const int h = static_cast<int>(r / M);
@@ -265,7 +335,7 @@ __global__ void __launch_bounds__(kRowThreads)
   const float survived = st[6] + st[7] + st[8] + st[9];
   float acc[3] = {};  // |o~ - o|^2, |o|^2, KL
   for (int d = threadIdx.x; d < D; d += kRowThreads) {
-    const float od = o[r * D + d] / Z;
+    const float od = full_entropy ? o[r * D + d] : o[r * D + d] / Z;  // FullAttention: o normalised
     const float ocd = S > 0 ? oc[r * D + d] / Zc : 0.0f;
     acc[0] += (ocd - od) * (ocd - od);
     acc[1] += od * od;
@@ -287,7 +357,7 @@ __global__ void __launch_bounds__(kRowThreads)
   if (out.output_error) out.output_error[r] = norm > 0.0f ? diff / norm : diff;
   if (out.recall) out.recall[r] = survived / Z;
   if (out.kl) out.kl[r] = acc[2];
-  const float h_full = logf(Z) - st[1] / Z;
+  const float h_full = full_entropy ? full_entropy[r] : logf(Z) - st[1] / Z;
   const float h_comp = S > 0 ? logf(Zc) - st[11] / Zc : 0.0f;
   if (out.entropy_change) out.entropy_change[r] = h_comp - h_full;
   for (int m = 0; m < kNumModalities; ++m) {
@@ -298,9 +368,7 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
-Status validate(const EvaluateParams& p, const void* q, const void* k, const void* v,
-                const std::uint8_t* modality, const CompressedCache& c, const EvaluateOutputs& out) {
-  const std::string f = "evaluate_attention: ";
+Status validate_sizes(const EvaluateParams& p, const std::string& f) {
   if (p.num_q_heads <= 0 || p.num_kv_heads <= 0 || p.num_queries <= 0 || p.num_tokens <= 0 ||
       p.head_dim <= 0) {
     return Status::Invalid(f + "num_q_heads, num_kv_heads, num_queries, num_tokens and head_dim must be > 0");
@@ -309,6 +377,16 @@ Status validate(const EvaluateParams& p, const void* q, const void* k, const voi
     return Status::Invalid(f + "num_q_heads " + std::to_string(p.num_q_heads) +
                            " is not a multiple of num_kv_heads " + std::to_string(p.num_kv_heads));
   }
+  if (p.dtype != DType::kF32 && p.dtype != DType::kF16 && p.dtype != DType::kBF16) {
+    return Status::Invalid(f + "unknown dtype");
+  }
+  return Status::Ok();
+}
+
+Status validate(const EvaluateParams& p, const void* q, const void* k, const void* v,
+                const std::uint8_t* modality, const CompressedCache& c, const EvaluateOutputs& out) {
+  const std::string f = "evaluate_attention: ";
+  KVSCOPE_RETURN_IF_ERROR(validate_sizes(p, f));
   if (!q || !k || !v || !modality) return Status::Invalid(f + "q, k, v and modality must not be null");
   if (!c.slot_offsets || !c.token_to_slot) {
     return Status::Invalid(f + "cache.slot_offsets and cache.token_to_slot must not be null");
@@ -417,7 +495,143 @@ Status evaluate_attention(const EvaluateParams& p, const void* q, const void* k,
       KVSCOPE_CUDA_CHECK_LAUNCH("pv_kernel(compressed)");
     }
     finalize_kernel<<<static_cast<unsigned>(R), kRowThreads, 0, stream>>>(M, D, c.slot_offsets, o, oc, zc, am,
-                                                                          ld_slots, stats, out);
+                                                                          ld_slots, stats, nullptr, out);
+    KVSCOPE_CUDA_CHECK_LAUNCH("finalize_kernel");
+    int host_bad = 0;
+    KVSCOPE_CUDA_TRY(cudaMemcpyAsync(&host_bad, bad, sizeof(int), cudaMemcpyDeviceToHost, stream));
+    KVSCOPE_CUDA_TRY(cudaStreamSynchronize(stream));
+    if (host_bad == 1) {
+      return Status::Invalid(
+          f + "modality code >= 4 or cache.token_to_slot out of [-1, S_h) (outputs undefined)");
+    }
+    if (host_bad == 2) {
+      return Status::Invalid(f + "cache.slot_modality >= 4 or a multiplicity not > 0 (outputs undefined)");
+    }
+    return Status::Ok();
+  };
+  const Status st = run();
+  const cudaError_t free_err = cudaFreeAsync(ws, stream);
+  if (!st.ok()) return st;
+  return cuda_status(free_err, "cudaFreeAsync(evaluate workspace)");
+}
+
+Status full_attention(const EvaluateParams& p, const void* q, const void* k, const void* v,
+                      const std::uint8_t* modality, const FullAttention& full, cudaStream_t stream) {
+  KVSCOPE_NVTX_RANGE("cuda::full_attention", kEvaluate);
+  const std::string f = "full_attention: ";
+  KVSCOPE_RETURN_IF_ERROR(validate_sizes(p, f));
+  if (!q || !k || !v) return Status::Invalid(f + "q, k and v must not be null");
+  if (!full.probs || !full.output || !full.entropy) {
+    return Status::Invalid(f + "full.probs, full.output and full.entropy must not be null");
+  }
+  if (full.modality_mass && !modality) return Status::Invalid(f + "modality must not be null");
+  const int Hkv = p.num_kv_heads, T = p.num_tokens, D = p.head_dim;
+  const int M = (p.num_q_heads / Hkv) * p.num_queries;
+  const long long R = static_cast<long long>(p.num_q_heads) * p.num_queries;
+  int* bad = nullptr;
+  KVSCOPE_CUDA_TRY(cudaMallocAsync(reinterpret_cast<void**>(&bad), sizeof(int), stream));
+  auto run = [&]() -> Status {
+    KVSCOPE_CUDA_TRY(cudaMemsetAsync(bad, 0, sizeof(int), stream));
+    KVSCOPE_CUDA_TRY(
+        cudaMemsetAsync(full.output, 0, sizeof(float) * R * D, stream));  // pv_kernel accumulates
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+    logits_kernel<<<dim3(cdiv(T, kTile), cdiv(M, kTile), Hkv), kGemmThreads, 0, stream>>>(
+        q, p.dtype, M, D, Source{k, p.dtype, nullptr, T}, Multiplicity{nullptr, nullptr, false}, scale,
+        full.probs, T);
+    KVSCOPE_CUDA_CHECK_LAUNCH("logits_kernel(full_attention)");
+    full_softmax_kernel<<<static_cast<unsigned>(R), kRowThreads, 0, stream>>>(
+        full.probs, T, full.modality_mass ? modality : nullptr, full.entropy, full.modality_mass, bad);
+    KVSCOPE_CUDA_CHECK_LAUNCH("full_softmax_kernel");
+    int splits = 0, split_len = 0;
+    pv_splits(T, Hkv, &splits, &split_len);
+    pv_kernel<<<dim3(cdiv(D, kTile), cdiv(M, kTile), Hkv * splits), kGemmThreads, 0, stream>>>(
+        full.probs, T, M, D, Source{v, p.dtype, nullptr, T}, splits, split_len, full.output);
+    KVSCOPE_CUDA_CHECK_LAUNCH("pv_kernel(full_attention)");
+    int host_bad = 0;
+    KVSCOPE_CUDA_TRY(cudaMemcpyAsync(&host_bad, bad, sizeof(int), cudaMemcpyDeviceToHost, stream));
+    KVSCOPE_CUDA_TRY(cudaStreamSynchronize(stream));
+    if (host_bad != 0) return Status::Invalid(f + "modality code >= 4 (modality_mass undefined)");
+    return Status::Ok();
+  };
+  const Status st = run();
+  const cudaError_t free_err = cudaFreeAsync(bad, stream);
+  if (!st.ok()) return st;
+  return cuda_status(free_err, "cudaFreeAsync(full_attention flag)");
+}
+
+Status evaluate_attention(const EvaluateParams& p, const void* q, const std::uint8_t* modality,
+                          const FullAttention& full, const CompressedCache& c, const EvaluateOutputs& out,
+                          cudaStream_t stream) {
+  KVSCOPE_NVTX_RANGE("cuda::evaluate_attention(full)", kEvaluate);
+  const std::string f = "evaluate_attention: ";
+  if (!full.probs || !full.output || !full.entropy) {
+    return Status::Invalid(f + "full.probs, full.output and full.entropy must not be null");
+  }
+  // full.probs / full.output stand in for k / v in the shared null checks.
+  KVSCOPE_RETURN_IF_ERROR(validate(p, q, full.probs, full.output, modality, c, out));
+  const int Hkv = p.num_kv_heads, T = p.num_tokens, D = p.head_dim;
+  const int M = (p.num_q_heads / Hkv) * p.num_queries;
+  const long long R = static_cast<long long>(p.num_q_heads) * p.num_queries;
+
+  std::vector<std::int32_t> offsets(Hkv + 1);
+  KVSCOPE_CUDA_TRY(cudaMemcpyAsync(offsets.data(), c.slot_offsets, sizeof(std::int32_t) * (Hkv + 1),
+                                   cudaMemcpyDeviceToHost, stream));
+  KVSCOPE_CUDA_TRY(cudaStreamSynchronize(stream));
+  if (offsets[0] != 0) return Status::Invalid(f + "cache.slot_offsets[0] must be 0");
+  int max_slots = 0;
+  for (int h = 0; h < Hkv; ++h) {
+    if (offsets[h + 1] < offsets[h])
+      return Status::Invalid(f + "cache.slot_offsets decreases at head " + std::to_string(h));
+    max_slots = std::max(max_slots, offsets[h + 1] - offsets[h]);
+  }
+  const int total = offsets[Hkv];
+  if (total > 0 && (!c.k || !c.v || !c.slot_modality)) {
+    return Status::Invalid(f + "cache.k, cache.v and cache.slot_modality must not be null");
+  }
+  const long long ld_slots = std::max(max_slots, 1);
+
+  // Workspace (floats): Zc, Ec, A [R, ld_slots] each | Oc [R, D] | stats [R, kStats] | flag.
+  const long long n_slot = R * ld_slots, n_o = R * D, n_st = R * kStats;
+  const std::size_t ws_floats = 3 * n_slot + n_o + n_st + 1;
+  float* ws = nullptr;
+  KVSCOPE_CUDA_TRY(cudaMallocAsync(reinterpret_cast<void**>(&ws), ws_floats * sizeof(float), stream));
+  float* zc = ws;
+  float* ec = zc + n_slot;
+  float* am = ec + n_slot;
+  float* oc = am + n_slot;
+  float* stats = oc + n_o;
+  int* bad = reinterpret_cast<int*>(stats + n_st);
+
+  auto run = [&]() -> Status {
+    KVSCOPE_CUDA_TRY(cudaMemsetAsync(am, 0, sizeof(float) * (n_slot + n_o + n_st + 1), stream));
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+    if (total > 0) {
+      validate_slots_kernel<<<cdiv(total, 256), 256, 0, stream>>>(total, c.slot_modality, c.multiplicity_f32,
+                                                                  c.multiplicity_i32, bad);
+      KVSCOPE_CUDA_CHECK_LAUNCH("validate_slots_kernel");
+    }
+    probs_stats_kernel<<<static_cast<unsigned>(R), kRowThreads, 0, stream>>>(
+        full.probs, T, M, modality, c.token_to_slot, c.slot_offsets, am, ld_slots, stats, bad);
+    KVSCOPE_CUDA_CHECK_LAUNCH("probs_stats_kernel");
+    if (max_slots > 0) {
+      logits_kernel<<<dim3(cdiv(max_slots, kTile), cdiv(M, kTile), Hkv), kGemmThreads, 0, stream>>>(
+          q, p.dtype, M, D, Source{c.k, DType::kF32, c.slot_offsets, T},
+          Multiplicity{c.multiplicity_f32, c.multiplicity_i32, p.proportional_attention}, scale, zc,
+          ld_slots);
+      KVSCOPE_CUDA_CHECK_LAUNCH("logits_kernel(compressed)");
+    }
+    compressed_stats_kernel<<<static_cast<unsigned>(R), kRowThreads, 0, stream>>>(
+        zc, ec, ld_slots, M, c.slot_offsets, c.slot_modality, stats);
+    KVSCOPE_CUDA_CHECK_LAUNCH("compressed_stats_kernel");
+    if (max_slots > 0) {
+      int splits = 0, split_len = 0;
+      pv_splits(max_slots, Hkv, &splits, &split_len);
+      pv_kernel<<<dim3(cdiv(D, kTile), cdiv(M, kTile), Hkv * splits), kGemmThreads, 0, stream>>>(
+          ec, ld_slots, M, D, Source{c.v, DType::kF32, c.slot_offsets, T}, splits, split_len, oc);
+      KVSCOPE_CUDA_CHECK_LAUNCH("pv_kernel(compressed)");
+    }
+    finalize_kernel<<<static_cast<unsigned>(R), kRowThreads, 0, stream>>>(
+        M, D, c.slot_offsets, full.output, oc, zc, am, ld_slots, stats, full.entropy, out);
     KVSCOPE_CUDA_CHECK_LAUNCH("finalize_kernel");
     int host_bad = 0;
     KVSCOPE_CUDA_TRY(cudaMemcpyAsync(&host_bad, bad, sizeof(int), cudaMemcpyDeviceToHost, stream));

@@ -46,9 +46,37 @@ struct EvaluateOutputs {
   float* mass_compressed = nullptr;  // [Hq, Nq, 4] sum_{s in m} p~(s)  (modality share after)
 };
 
+// Full attention of the evaluation queries over the original cache, computed once
+// per layer (cpu::full_attention) and reused for every compressed cache of that
+// layer (the evaluate_attention overload below). Row r = j * Nq + i as above.
+struct FullAttention {
+  float* probs = nullptr;          // [Hq, Nq, T] p(t) = softmax_t(q . k_t / sqrt(D)), normalised
+  float* output = nullptr;         // [Hq, Nq, D] o = sum_t p(t) v_t
+  float* entropy = nullptr;        // [Hq, Nq] H(p) = -sum_t p log p, natural log
+  float* modality_mass = nullptr;  // [Hq, Nq, 4] sum_{t in m} p(t); optional (may be nullptr)
+};
+
 namespace cpu {
 
-// Evaluates every (q head, query) pair.
+// Fills `full` (probs, output and entropy required; modality_mass optional).
+//   q        : [Hq, Nq, D] params.dtype
+//   k, v     : [Hkv, T, D] params.dtype, the full cache
+//   modality : [T] uint8 modality code (< 4); may be nullptr when full.modality_mass is nullptr
+// params.proportional_attention is not used.
+Status full_attention(const EvaluateParams& params, const void* q, const void* k, const void* v,
+                      const std::uint8_t* modality, const FullAttention& full);
+
+// Same metrics as the overload below, with the full-cache side read from `full`
+// (as written by full_attention for the same params, q, modality; probs, output and
+// entropy are read). Results equal the k/v overload bit for bit.
+//   q        : [Hq, Nq, D] params.dtype
+//   modality : [T] uint8 modality code (< 4) of every context token
+Status evaluate_attention(const EvaluateParams& params, const void* q, const std::uint8_t* modality,
+                          const FullAttention& full, const CompressedCache& cache,
+                          const EvaluateOutputs& out);
+
+// Evaluates every (q head, query) pair (full_attention into temporary buffers, then
+// the FullAttention overload).
 //   q        : [Hq, Nq, D] params.dtype
 //   k, v     : [Hkv, T, D] params.dtype, the full cache
 //   modality : [T] uint8 modality code (< 4) of every context token

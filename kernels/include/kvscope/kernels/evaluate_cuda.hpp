@@ -19,4 +19,15 @@ Status evaluate_attention(const EvaluateParams& params, const void* q, const voi
                           const std::uint8_t* modality, const CompressedCache& cache,
                           const EvaluateOutputs& out, cudaStream_t stream);
 
+// Device version of cpu::full_attention (every pointer in `full` is a device
+// pointer). Synchronises `stream` to report modality codes >= 4 as Status::Invalid.
+Status full_attention(const EvaluateParams& params, const void* q, const void* k, const void* v,
+                      const std::uint8_t* modality, const FullAttention& full, cudaStream_t stream);
+
+// Device version of the cpu::evaluate_attention FullAttention overload (full as
+// written by cuda::full_attention). Synchronous like the k/v overload.
+Status evaluate_attention(const EvaluateParams& params, const void* q, const std::uint8_t* modality,
+                          const FullAttention& full, const CompressedCache& cache, const EvaluateOutputs& out,
+                          cudaStream_t stream);
+
 }  // namespace kvscope::kernels::cuda

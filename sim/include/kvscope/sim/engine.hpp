@@ -11,6 +11,7 @@
 #include <tuple>
 #include <vector>
 
+#include "kvscope/kernels/evaluate.hpp"
 #include "kvscope/kernels/scores.hpp"
 #include "kvscope/sim/policy.hpp"
 #include "kvscope/sim/results.hpp"
@@ -56,6 +57,9 @@ class LayerData {
   const std::vector<float>& cross_given();                    // share of a token's attention on other modalities
   // Mean key cosine of pairs inside each modality (information density proxy), per modality.
   const PerModality& modality_similarity();
+  // Full-cache attention of the evaluation (decode) queries, computed once per layer and
+  // shared by every policy point: probabilities [Hq, S, T], outputs [Hq, S, D], entropy, mass.
+  const kernels::FullAttention& full_attention(bool proportional_attention);
 
  private:
   kernels::AttentionProblem problem() const;
@@ -67,6 +71,9 @@ class LayerData {
   std::map<std::tuple<int, int, int>, std::vector<float>> snap_;
   std::map<std::pair<int, int>, std::vector<float>> redundancy_;
   PerModality modality_similarity_{};
+  std::vector<float> full_probs_, full_output_, full_entropy_, full_mass_;
+  kernels::FullAttention full_{};
+  bool have_full_ = false;
   bool have_similarity_ = false;
 };
 

@@ -1,0 +1,37 @@
+// Machine ceilings measured inside a kvbench run, with the same thread count as the
+// benchmarks: STREAM triad bandwidth and sgemm rate, for the CPU and (when present)
+// the GPU. Results go into Ceilings (kvbench_report.hpp).
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "kvbench_report.hpp"
+
+namespace kvscope::bench {
+
+// Triad a[i] = b[i] + s * c[i] over three double arrays of bytes_per_array bytes each,
+// OpenMP with `threads` threads, best of `reps` after one untimed pass.
+// Returns bytes/s counting 3 arrays (STREAM convention: no write-allocate traffic).
+double measure_cpu_triad(int threads, std::size_t bytes_per_array, int reps);
+
+// C = A * B with cblas_sgemm, n x n x n, `threads` BLAS threads, best of `reps` after
+// one warm-up. Returns FLOP/s (2 n^3); 0 and a reason in *note when built without BLAS.
+double measure_cpu_sgemm(int threads, int n, int reps, std::string* note);
+
+// GPU counterparts (ceilings_cuda.cu); 0 and a reason in *note without a GPU or on error.
+double measure_gpu_triad(std::size_t bytes_per_array, int reps, std::string* note);
+double measure_gpu_sgemm(int n, int reps, std::string* note);
+
+// OpenBLAS (DYNAMIC_ARCH) picks its kernels from CPUID when the library loads; in VMs
+// that hide the CPU model it falls back to the generic "Prescott" core, about 4x
+// slower than the machine can do. When that happened, OPENBLAS_CORETYPE is unset and
+// the CPU has AVX-512 (SkylakeX) or AVX2 (Haswell), this re-executes the program
+// with OPENBLAS_CORETYPE set (returns only if it did not re-execute).
+void reexec_if_generic_openblas_core(char** argv);
+
+// Fills every ceiling (GPU ones only when a GPU is present). `quick` uses smaller
+// sizes (for smoke tests; the numbers are then not ceilings).
+Ceilings measure_ceilings(int threads, bool quick);
+
+}  // namespace kvscope::bench
