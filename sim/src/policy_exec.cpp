@@ -382,6 +382,17 @@ LayerResult run_policy_on_layer(const PolicySpec& p, double keep, LayerData& L, 
   std::vector<std::vector<float>> slot_k(static_cast<std::size_t>(Hw)), slot_v(static_cast<std::size_t>(Hw));
   std::vector<std::vector<std::int32_t>> slot_n(static_cast<std::size_t>(Hw));
   std::vector<std::int32_t> tok2slot(static_cast<std::size_t>(Hw) * T, -1);
+  // Heads run in parallel (the kernels inside then run single-threaded: nested regions are off);
+  // errors are collected per head because exceptions may not leave an OpenMP region.
+  std::vector<std::string> head_errors(static_cast<std::size_t>(Hw));
+  auto note = [&](int w, const kernels::Status& st, const char* what) {
+    if (!st.ok()) head_errors[static_cast<std::size_t>(w)] = std::string(what) + ": " + st.message();
+  };
+  auto rethrow = [&] {
+    for (const auto& e : head_errors)
+      if (!e.empty()) throw std::runtime_error(e);
+  };
+#pragma omp parallel for schedule(dynamic)
   for (int w = 0; w < Hw; ++w) {
     const int K = counts[static_cast<std::size_t>(w)];
     const std::int32_t* kw = &kept[static_cast<std::size_t>(w) * k];
@@ -403,9 +414,9 @@ LayerResult run_policy_on_layer(const PolicySpec& p, double keep, LayerData& L, 
       mp.window = p.merge_window;
       mp.threshold = p.executor == ExecutorKind::kUniCache ? p.unicache.merge_threshold : p.merge_threshold;
       mp.dtype = kernels::DType::kF32;
-      check(kernels::cpu::merge_tokens(mp, kh, vh, kw, &importance[static_cast<std::size_t>(w) * T], sk.data(),
-                                       sv.data(), sn.data(), t2s),
-            "merge");
+      note(w, kernels::cpu::merge_tokens(mp, kh, vh, kw, &importance[static_cast<std::size_t>(w) * T], sk.data(),
+                                         sv.data(), sn.data(), t2s),
+           "merge");
     } else {
       kernels::CompactShape cs{1, T, D, kernels::DType::kF32};
       kernels::KeptIndices ki{kw, nullptr, K};
@@ -415,13 +426,15 @@ LayerResult run_policy_on_layer(const PolicySpec& p, double keep, LayerData& L, 
       kernels::CompactOutputs co;
       co.keys = sk.data();
       co.values = sv.data();
-      check(kernels::cpu::compact(cs, ki, ci, co), "compact");
+      note(w, kernels::cpu::compact(cs, ki, ci, co), "compact");
       for (int s = 0; s < K; ++s) t2s[kw[s]] = s;
     }
   }
+  rethrow();
 
   // ---- 6. quantize what is kept (fake quantization: the dequantized values are evaluated)
   std::vector<Bytes> head_bytes(static_cast<std::size_t>(Hw));
+#pragma omp parallel for schedule(dynamic)
   for (int w = 0; w < Hw; ++w) {
     const int K = counts[static_cast<std::size_t>(w)];
     Bytes& b = head_bytes[static_cast<std::size_t>(w)];
@@ -431,7 +444,7 @@ LayerResult run_policy_on_layer(const PolicySpec& p, double keep, LayerData& L, 
         auto& data = kv == 0 ? slot_k[static_cast<std::size_t>(w)] : slot_v[static_cast<std::size_t>(w)];
         std::vector<float> out(data.size());
         kernels::QuantShape qs{1, K, D, kernels::DType::kF32};
-        check(kernels::cpu::quantize_dequantize(q, qs, data.data(), out.data()), "quantize");
+        note(w, kernels::cpu::quantize_dequantize(q, qs, data.data(), out.data()), "quantize");
         data.swap(out);
         const auto qb = kernels::quantized_bytes(q, 1, K, D, ctx.dtype);
         b.kv += qb.codes;
@@ -444,6 +457,7 @@ LayerResult run_policy_on_layer(const PolicySpec& p, double keep, LayerData& L, 
     }
     if (merging) b.multiplicity = 4ll * K;
   }
+  rethrow();
   if (head_merge && Hw < H) head_bytes[0].index += 4ll * Hq;  // query-head -> merged-head map
 
   // ---- 7. per original kv head: counts and bytes (a merged head's bytes are shared by its members)

@@ -32,9 +32,9 @@ std::string format_seconds(double s);
 }  // namespace kvscope::cli
 
 namespace kvscope::cli {
-// OpenBLAS 0.3.21 does not recognise some virtual CPUs and falls back to its generic
-// (SSE3) kernels, about 2x slower for the attention statistics. Where the CPU has AVX-512
-// or AVX2, re-executes the program once with OPENBLAS_CORETYPE set (it must be set before
-// OpenBLAS loads). Does nothing if the variable is already set or the core is fine.
+// Process settings read when the libraries load, applied by re-executing the program once:
+// OMP_WAIT_POLICY=PASSIVE unless set (idle OpenMP threads sleep instead of spinning), and
+// OPENBLAS_CORETYPE=SkylakeX/Haswell where OpenBLAS 0.3.21 does not recognise the CPU and
+// would fall back to its generic kernels (about 2x slower). Variables a user set are kept.
 void use_fast_blas_core(char** argv);
 }  // namespace kvscope::cli

@@ -1,0 +1,35 @@
+// Reader of HDF5 results files ("kvscope-results" 1.x, docs/results-format.md), the inverse of
+// write_hdf5: what kvview and scripts use to get PointResults back without re-running a sweep.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kvscope/sim/report.hpp"
+#include "kvscope/sim/results.hpp"
+
+namespace kvscope::sim {
+
+// A results file could not be read: names the file and, where it applies, the dataset or attribute.
+class ResultsReadError : public std::runtime_error {
+ public:
+  ResultsReadError(std::string file, std::string object, const std::string& message)
+      : std::runtime_error(object.empty() ? file + ": " + message : file + ": " + object + ": " + message),
+        file_(std::move(file)),
+        object_(std::move(object)) {}
+  const std::string& file() const { return file_; }
+  const std::string& object() const { return object_; }  // "/points/policy", "/@version", "" for the file
+
+ private:
+  std::string file_;
+  std::string object_;
+};
+
+// Reads every point (with its layers, heads, flags and Pareto mark) of a results file; fills *meta
+// when non-null. Padding rows (layer or kv head index -1) are dropped, so a point gets back
+// exactly the layers and heads it was written with. Refuses other formats and major versions.
+// Thread-compatible: HDF5 is not thread-safe, so callers serialise it with any other HDF5 use.
+std::vector<PointResult> read_results_hdf5(const std::string& path, ResultsMeta* meta = nullptr);
+
+}  // namespace kvscope::sim

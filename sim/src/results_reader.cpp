@@ -1,0 +1,335 @@
+// Reader of HDF5 results files ("kvscope-results" 1.x) with the HDF5 C API. Mirrors the layout
+// written by report_hdf5.cpp: /points [P], /layers [P, L], /heads [P, L, H], /flags [F].
+#include "kvscope/sim/results_reader.hpp"
+
+#include <hdf5.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <mutex>
+#include <string>
+#include <system_error>
+
+namespace kvscope::sim {
+
+namespace {
+
+class Handle {
+ public:
+  using Closer = herr_t (*)(hid_t);
+  Handle(hid_t id, Closer closer) : id_(id), closer_(closer) {}
+  Handle(const Handle&) = delete;
+  Handle& operator=(const Handle&) = delete;
+  ~Handle() {
+    if (id_ >= 0) closer_(id_);
+  }
+  operator hid_t() const { return id_; }
+
+ private:
+  hid_t id_;
+  Closer closer_;
+};
+
+template <typename T>
+hid_t mem_type();
+template <>
+hid_t mem_type<double>() {
+  return H5T_NATIVE_DOUBLE;
+}
+template <>
+hid_t mem_type<std::int64_t>() {
+  return H5T_NATIVE_INT64;
+}
+template <>
+hid_t mem_type<std::int32_t>() {
+  return H5T_NATIVE_INT32;
+}
+template <>
+hid_t mem_type<std::uint8_t>() {
+  return H5T_NATIVE_UINT8;
+}
+
+class Reader {
+ public:
+  Reader(std::string path, hid_t file) : path_(std::move(path)), file_(file) {}
+
+  [[noreturn]] void fail(const std::string& object, const std::string& message) const {
+    throw ResultsReadError(path_, object, message);
+  }
+
+  std::string attr_string(const char* name) const {
+    const std::string object = std::string("/@") + name;
+    if (H5Aexists(file_, name) <= 0) fail(object, "missing attribute");
+    Handle a(H5Aopen(file_, name, H5P_DEFAULT), H5Aclose);
+    Handle ftype(H5Aget_type(a), H5Tclose);
+    if (a < 0 || ftype < 0 || H5Tget_class(ftype) != H5T_STRING) fail(object, "not a string attribute");
+    if (H5Tis_variable_str(ftype) > 0) {
+      Handle mtype(H5Tcopy(H5T_C_S1), H5Tclose);
+      H5Tset_size(mtype, H5T_VARIABLE);
+      H5Tset_cset(mtype, H5Tget_cset(ftype));
+      char* p = nullptr;
+      if (H5Aread(a, mtype, &p) < 0) fail(object, "cannot read");
+      std::string s = p ? p : "";
+      Handle space(H5Aget_space(a), H5Sclose);
+      H5Dvlen_reclaim(mtype, space, H5P_DEFAULT, &p);
+      return s;
+    }
+    std::string s(H5Tget_size(ftype), '\0');
+    if (H5Aread(a, ftype, s.data()) < 0) fail(object, "cannot read");
+    return s.substr(0, s.find('\0'));
+  }
+
+  std::vector<std::int64_t> attr_i64(const char* name, bool optional = false) const {
+    const std::string object = std::string("/@") + name;
+    if (H5Aexists(file_, name) <= 0) {
+      if (optional) return {};
+      fail(object, "missing attribute");
+    }
+    Handle a(H5Aopen(file_, name, H5P_DEFAULT), H5Aclose);
+    Handle space(H5Aget_space(a), H5Sclose);
+    const hssize_t n = H5Sget_simple_extent_npoints(space);
+    if (n < 1) fail(object, "empty attribute");
+    std::vector<std::int64_t> v(static_cast<std::size_t>(n));
+    if (H5Aread(a, H5T_NATIVE_INT64, v.data()) < 0) fail(object, "not an integer attribute");
+    return v;
+  }
+
+  // A numeric dataset whose shape must equal `dims` exactly.
+  template <typename T>
+  std::vector<T> dataset(const std::string& object, const std::vector<hsize_t>& dims) const {
+    Handle d = open(object, dims);
+    std::size_t n = 1;
+    for (hsize_t x : dims) n *= x;
+    std::vector<T> v(n);
+    if (n > 0 && H5Dread(d, mem_type<T>(), H5S_ALL, H5S_ALL, H5P_DEFAULT, v.data()) < 0) {
+      fail(object, "cannot read as a number array");
+    }
+    return v;
+  }
+
+  std::vector<std::string> strings(const std::string& object, hsize_t n) const {
+    Handle d = open(object, {n});
+    Handle ftype(H5Dget_type(d), H5Tclose);
+    if (H5Tget_class(ftype) != H5T_STRING) fail(object, "not a string dataset");
+    std::vector<std::string> out;
+    if (n == 0) return out;
+    if (H5Tis_variable_str(ftype) > 0) {
+      Handle mtype(H5Tcopy(H5T_C_S1), H5Tclose);
+      H5Tset_size(mtype, H5T_VARIABLE);
+      H5Tset_cset(mtype, H5Tget_cset(ftype));
+      std::vector<char*> ptrs(n, nullptr);
+      if (H5Dread(d, mtype, H5S_ALL, H5S_ALL, H5P_DEFAULT, ptrs.data()) < 0) fail(object, "cannot read");
+      for (char* p : ptrs) out.emplace_back(p ? p : "");
+      Handle space(H5Dget_space(d), H5Sclose);
+      H5Dvlen_reclaim(mtype, space, H5P_DEFAULT, ptrs.data());
+      return out;
+    }
+    const std::size_t size = H5Tget_size(ftype);
+    std::string buf(size * n, '\0');
+    if (H5Dread(d, ftype, H5S_ALL, H5S_ALL, H5P_DEFAULT, buf.data()) < 0) fail(object, "cannot read");
+    for (hsize_t i = 0; i < n; ++i) {
+      std::string s = buf.substr(i * size, size);
+      out.push_back(s.substr(0, s.find('\0')));
+    }
+    return out;
+  }
+
+ private:
+  Handle open(const std::string& object, const std::vector<hsize_t>& dims) const {
+    if (H5Lexists(file_, object.substr(0, object.rfind('/')).c_str(), H5P_DEFAULT) <= 0 ||
+        H5Lexists(file_, object.c_str(), H5P_DEFAULT) <= 0) {
+      fail(object, "missing dataset");
+    }
+    Handle d(H5Dopen2(file_, object.c_str(), H5P_DEFAULT), H5Dclose);
+    if (d < 0) fail(object, "cannot open dataset");
+    Handle space(H5Dget_space(d), H5Sclose);
+    std::vector<hsize_t> got(static_cast<std::size_t>(std::max(0, H5Sget_simple_extent_ndims(space))));
+    H5Sget_simple_extent_dims(space, got.data(), nullptr);
+    if (got != dims) fail(object, "shape " + shape_text(got) + ", expected " + shape_text(dims));
+    return Handle(H5Dopen2(file_, object.c_str(), H5P_DEFAULT), H5Dclose);
+  }
+  static std::string shape_text(const std::vector<hsize_t>& d) {
+    std::string s = "(";
+    for (std::size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+    return s + ")";
+  }
+
+  std::string path_;
+  hid_t file_;
+};
+
+// The record datasets of one group, read for every row of the leading shape.
+struct Records {
+  std::vector<std::int64_t> bytes_full_c, bytes_kept_c, bytes_full_m, bytes_kept_m;
+  std::vector<std::int64_t> tokens, kept, merged, evicted;
+  std::vector<double> output_error, recall, kl, entropy, recall_m, share_before, share_after;
+
+  Records(const Reader& r, const std::string& g, std::vector<hsize_t> lead) {
+    auto with = [&](hsize_t inner) {
+      std::vector<hsize_t> d = lead;
+      d.push_back(inner);
+      return d;
+    };
+    bytes_full_c = r.dataset<std::int64_t>(g + "/bytes_full_components", with(6));
+    bytes_kept_c = r.dataset<std::int64_t>(g + "/bytes_kept_components", with(6));
+    bytes_full_m = r.dataset<std::int64_t>(g + "/bytes_full_modality", with(kModalities));
+    bytes_kept_m = r.dataset<std::int64_t>(g + "/bytes_kept_modality", with(kModalities));
+    tokens = r.dataset<std::int64_t>(g + "/tokens", with(kModalities));
+    kept = r.dataset<std::int64_t>(g + "/kept", with(kModalities));
+    merged = r.dataset<std::int64_t>(g + "/merged", with(kModalities));
+    evicted = r.dataset<std::int64_t>(g + "/evicted", with(kModalities));
+    output_error = r.dataset<double>(g + "/output_error", lead);
+    recall = r.dataset<double>(g + "/attention_recall", lead);
+    kl = r.dataset<double>(g + "/kl", lead);
+    entropy = r.dataset<double>(g + "/entropy_delta", lead);
+    recall_m = r.dataset<double>(g + "/recall_modality", with(kModalities));
+    share_before = r.dataset<double>(g + "/share_before", with(kModalities));
+    share_after = r.dataset<double>(g + "/share_after", with(kModalities));
+  }
+
+  static Bytes bytes(const std::vector<std::int64_t>& c, std::size_t i) {
+    const std::int64_t* p = &c[i * 6];
+    return Bytes{p[0], p[1], p[2], p[3], p[4], p[5]};
+  }
+  HeadResult row(std::size_t i) const {
+    HeadResult h;
+    h.bytes_full = bytes(bytes_full_c, i);
+    h.bytes_kept = bytes(bytes_kept_c, i);
+    for (int m = 0; m < kModalities; ++m) {
+      const std::size_t k = i * kModalities + static_cast<std::size_t>(m);
+      h.tokens[m] = tokens[k];
+      h.kept[m] = kept[k];
+      h.merged[m] = merged[k];
+      h.evicted[m] = evicted[k];
+      h.bytes_full_modality[m] = bytes_full_m[k];
+      h.bytes_kept_modality[m] = bytes_kept_m[k];
+      h.quality.recall_modality[m] = recall_m[k];
+      h.quality.share_before[m] = share_before[k];
+      h.quality.share_after[m] = share_after[k];
+    }
+    h.quality.output_error = output_error[i];
+    h.quality.attention_recall = recall[i];
+    h.quality.kl = kl[i];
+    h.quality.entropy_delta = entropy[i];
+    return h;
+  }
+};
+
+std::vector<PointResult> read_contents(const Reader& r, ResultsMeta* meta) {
+  const std::string format = r.attr_string("format");
+  if (format != kResultsFormat) r.fail("/@format", "'" + format + "' is not " + kResultsFormat);
+  const std::string version = r.attr_string("version");
+  if (version.substr(0, version.find('.')) != "1") {
+    r.fail("/@version", "unsupported version " + version + " (this reader knows 1.x)");
+  }
+  auto count = [&](const char* name) {
+    const std::int64_t v = r.attr_i64(name)[0];
+    if (v < 0) r.fail(std::string("/@") + name, "negative");
+    return static_cast<hsize_t>(v);
+  };
+  const hsize_t P = count("num_points"), L = count("num_layers"), H = count("num_kv_heads");
+  if (meta) {
+    *meta = ResultsMeta{};
+    meta->trace_path = r.attr_string("trace_path");
+    meta->model_name = r.attr_string("model_name");
+    meta->synthetic = r.attr_i64("synthetic")[0] != 0;
+    meta->created = r.attr_string("created");
+    meta->command_line = r.attr_string("command_line");
+    meta->num_layers = static_cast<int>(L);
+    meta->num_kv_heads = static_cast<int>(H);
+    meta->num_q_heads = static_cast<int>(r.attr_i64("num_q_heads")[0]);
+    meta->head_dim = static_cast<int>(r.attr_i64("head_dim")[0]);
+    meta->num_tokens = r.attr_i64("num_tokens")[0];
+    meta->num_decode_steps = r.attr_i64("num_decode_steps")[0];
+    const std::vector<std::int64_t> tpm = r.attr_i64("tokens_per_modality");
+    if (tpm.size() != static_cast<std::size_t>(kModalities))
+      r.fail("/@tokens_per_modality", "expected 4 values");
+    std::copy(tpm.begin(), tpm.end(), meta->tokens_per_modality.begin());
+  }
+
+  std::vector<PointResult> points(P);
+  const std::vector<std::string> policy = r.strings("/points/policy", P);
+  const std::vector<std::string> budget = r.strings("/points/budget", P);
+  const std::vector<double> budget_value = r.dataset<double>("/points/budget_value", {P});
+  const std::vector<double> seconds = r.dataset<double>("/points/seconds", {P});
+  const std::vector<std::uint8_t> pareto = r.dataset<std::uint8_t>("/points/pareto", {P});
+  const Records pr(r, "/points", {P});
+  const std::vector<std::int32_t> layer = r.dataset<std::int32_t>("/layers/layer", {P, L});
+  const std::vector<std::int32_t> merged_heads = r.dataset<std::int32_t>("/layers/merged_heads", {P, L});
+  const Records lr(r, "/layers", {P, L});
+  const std::vector<std::int32_t> kv_head = r.dataset<std::int32_t>("/heads/kv_head", {P, L, H});
+  const Records hr(r, "/heads", {P, L, H});
+  for (hsize_t p = 0; p < P; ++p) {
+    PointResult& pt = points[p];
+    pt.policy = policy[p];
+    pt.budget = budget[p];
+    pt.budget_value = budget_value[p];
+    pt.seconds = seconds[p];
+    pt.pareto = pareto[p] != 0;
+    pt.total = pr.row(p);
+    for (hsize_t l = 0; l < L; ++l) {
+      const std::size_t li = p * L + l;
+      if (layer[li] < 0) continue;
+      LayerResult lres;
+      lres.layer = layer[li];
+      lres.merged_heads = merged_heads[li];
+      lres.total = lr.row(li);
+      for (hsize_t h = 0; h < H; ++h) {
+        const std::size_t hi = li * H + h;
+        if (kv_head[hi] < 0) continue;
+        HeadResult head = hr.row(hi);
+        head.kv_head = kv_head[hi];
+        lres.heads.push_back(head);
+      }
+      pt.layers.push_back(std::move(lres));
+    }
+  }
+
+  // /flags: F is the length of /flags/point (0 when the sweep flagged nothing).
+  hsize_t F = 0;
+  for (const auto& n : r.dataset<std::int32_t>("/points/num_flags", {P}))
+    F += static_cast<hsize_t>(std::max(0, n));
+  const std::vector<std::int32_t> fpoint = r.dataset<std::int32_t>("/flags/point", {F});
+  const std::vector<std::string> mode = r.strings("/flags/mode", F);
+  const std::vector<std::string> flayers = r.strings("/flags/layers", F);
+  const std::vector<std::string> evidence = r.strings("/flags/evidence", F);
+  const std::vector<std::string> fix = r.strings("/flags/suggested_fix", F);
+  for (hsize_t f = 0; f < F; ++f) {
+    if (fpoint[f] < 0 || static_cast<hsize_t>(fpoint[f]) >= P) {
+      r.fail("/flags/point", "row " + std::to_string(f) + " names point " + std::to_string(fpoint[f]));
+    }
+    CollapseFlag flag;
+    flag.mode = mode[f];
+    flag.evidence = evidence[f];
+    flag.suggested_fix = fix[f];
+    std::size_t pos = 0;
+    const std::string& list = flayers[f];
+    while (pos < list.size()) {
+      const std::size_t end = std::min(list.find(',', pos), list.size());
+      try {
+        flag.layers.push_back(std::stoi(list.substr(pos, end - pos)));
+      } catch (const std::exception&) {
+        r.fail("/flags/layers", "row " + std::to_string(f) + ": '" + list + "' is not a list of layers");
+      }
+      pos = end + 1;
+    }
+    points[static_cast<std::size_t>(fpoint[f])].flags.push_back(std::move(flag));
+  }
+  return points;
+}
+
+}  // namespace
+
+std::vector<PointResult> read_results_hdf5(const std::string& path, ResultsMeta* meta) {
+  static std::once_flag silence;
+  std::call_once(silence, [] { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); });
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec))
+    throw ResultsReadError(path, "", "cannot open: no such file");
+  Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+  if (file < 0) throw ResultsReadError(path, "", "cannot open: unreadable or not an HDF5 file");
+  const Reader r(path, file);
+  return read_contents(r, meta);
+}
+
+}  // namespace kvscope::sim

@@ -1,0 +1,150 @@
+// Quality curves: output error (or recall, KL) versus bytes ratio for every swept policy, the
+// Pareto front highlighted, oracle rows drawn as the bound. Click a point to select it everywhere.
+#include <imgui.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+
+#include "view.hpp"
+#include "widgets.hpp"
+
+namespace kvscope::viewer {
+namespace {
+
+namespace w = widgets;
+
+double metric(const sim::PointResult& p, int which) {
+  const sim::Quality& q = p.total.quality;
+  return which == 0 ? q.output_error : which == 1 ? q.attention_recall : q.kl;
+}
+
+bool is_oracle(const sim::PointResult& p) { return p.policy.rfind("oracle-", 0) == 0; }
+
+class QualityPanel : public Panel {
+ public:
+  const char* name() const override { return "quality"; }
+  const char* title() const override { return "Quality curves"; }
+
+  void draw(ViewContext& ctx) override {
+    const auto& pts = ctx.model.points();
+    if (pts.empty()) {
+      ImGui::TextWrapped(
+          "No results: run kvsim sweep --trace TRACE -o results.h5 and open it with --results.");
+      return;
+    }
+    static const char* metrics[] = {"output error", "attention recall", "KL (nats)"};
+    ImGui::SetNextItemWidth(200);
+    ImGui::Combo("y axis", &metric_, metrics, 3);
+    ImGui::SameLine();
+    ImGui::TextDisabled("x: bytes kept / full.  Thick white: Pareto front.  Dashed grey: oracle bound.");
+
+    double ymax = 0, ymin = 0;
+    for (const auto& p : pts) {
+      const double v = metric(p, metric_);
+      if (std::isfinite(v)) ymax = std::max(ymax, v);
+    }
+    if (metric_ == 1) ymin = std::min(0.0, ymax), ymax = 1.0;
+    ymax = ymax > 0 ? ymax * 1.05 : 1.0;
+
+    // Series per policy, ordered by bytes ratio.
+    std::map<std::string, std::vector<int>> series;
+    for (std::size_t i = 0; i < pts.size(); ++i) series[pts[i].policy].push_back(static_cast<int>(i));
+    for (auto& [name, idx] : series) {
+      std::sort(idx.begin(), idx.end(),
+                [&](int a, int b) { return pts[a].bytes_ratio() < pts[b].bytes_ratio(); });
+    }
+
+    const float legend_w = 220;
+    const ImVec2 avail = ImGui::GetContentRegionAvail();
+    const ImVec2 origin = ImGui::GetCursorScreenPos();
+    const w::PlotFrame f = w::plot_frame("##quality", ImVec2(avail.x - legend_w, avail.y - 4), 0.0, 1.05,
+                                         ymin, ymax, "bytes ratio (kept / full)", metrics[metric_]);
+    ImDrawList* dl = ImGui::GetWindowDrawList();
+    dl->PushClipRect(f.min, f.max, true);
+    int color_index = 0;
+    std::map<std::string, ImU32> colors;
+    for (const auto& [name, idx] : series) {
+      const bool oracle = pts[idx[0]].policy.rfind("oracle-", 0) == 0;
+      const ImU32 c = oracle ? IM_COL32(200, 200, 200, 255) : w::series_color(color_index++);
+      colors[name] = c;
+      for (std::size_t k = 1; k < idx.size(); ++k) {
+        const ImVec2 a = f.to_screen(pts[idx[k - 1]].bytes_ratio(), metric(pts[idx[k - 1]], metric_));
+        const ImVec2 b = f.to_screen(pts[idx[k]].bytes_ratio(), metric(pts[idx[k]], metric_));
+        if (oracle) {  // dashed
+          for (int s = 0; s < 10; s += 2) {
+            const float t0 = s / 10.0f, t1 = (s + 1) / 10.0f;
+            dl->AddLine(ImVec2(a.x + (b.x - a.x) * t0, a.y + (b.y - a.y) * t0),
+                        ImVec2(a.x + (b.x - a.x) * t1, a.y + (b.y - a.y) * t1), c, 2.5f);
+          }
+        } else {
+          dl->AddLine(a, b, c, 1.5f);
+        }
+      }
+    }
+    // Pareto front (non-oracle points marked in the file), by bytes ratio.
+    std::vector<int> front;
+    for (std::size_t i = 0; i < pts.size(); ++i) {
+      if (pts[i].pareto && !is_oracle(pts[i])) front.push_back(static_cast<int>(i));
+    }
+    std::sort(front.begin(), front.end(),
+              [&](int a, int b) { return pts[a].bytes_ratio() < pts[b].bytes_ratio(); });
+    for (std::size_t k = 1; k < front.size(); ++k) {
+      dl->AddLine(f.to_screen(pts[front[k - 1]].bytes_ratio(), metric(pts[front[k - 1]], metric_)),
+                  f.to_screen(pts[front[k]].bytes_ratio(), metric(pts[front[k]], metric_)),
+                  IM_COL32(255, 255, 255, 200), 3.5f);
+    }
+    // Points; hover and click.
+    const ImVec2 mouse = ImGui::GetIO().MousePos;
+    int hovered = -1;
+    float best = 8.0f * 8.0f;
+    for (std::size_t i = 0; i < pts.size(); ++i) {
+      const ImVec2 s = f.to_screen(pts[i].bytes_ratio(), metric(pts[i], metric_));
+      const ImU32 c = colors[pts[i].policy];
+      dl->AddCircleFilled(s, pts[i].pareto ? 5.0f : 3.5f, c);
+      if (pts[i].pareto) dl->AddCircle(s, 7.5f, IM_COL32(255, 255, 255, 255), 0, 1.5f);
+      if (static_cast<int>(i) == ctx.sel.point) dl->AddCircle(s, 11.0f, IM_COL32(255, 60, 60, 255), 0, 2.5f);
+      const float dx = s.x - mouse.x, dy = s.y - mouse.y;
+      if (!ctx.headless && dx * dx + dy * dy < best) {
+        best = dx * dx + dy * dy;
+        hovered = static_cast<int>(i);
+      }
+    }
+    dl->PopClipRect();
+    if (hovered >= 0 && ImGui::IsItemHovered()) {
+      const sim::PointResult& p = pts[hovered];
+      ImGui::SetTooltip(
+          "%s @ %s%s\nbytes ratio %.4f (saved %.1f %%)\noutput error %.5f\nrecall %.4f\nKL %.5f\n"
+          "%zu collapse flags\nclick to select",
+          p.policy.c_str(), p.budget.c_str(), p.pareto ? "  (Pareto)" : "", p.bytes_ratio(),
+          100 * (1 - p.bytes_ratio()), p.total.quality.output_error, p.total.quality.attention_recall,
+          p.total.quality.kl, p.flags.size());
+      if (ImGui::IsItemClicked()) ctx.sel.point = hovered;
+    }
+    // Legend.
+    ImGui::SetCursorScreenPos(ImVec2(origin.x + avail.x - legend_w + 8, origin.y));
+    ImGui::BeginGroup();
+    for (const auto& [name, c] : colors) {
+      ImGui::ColorButton(("##" + name).c_str(), ImGui::ColorConvertU32ToFloat4(c),
+                         ImGuiColorEditFlags_NoTooltip, ImVec2(12, 12));
+      ImGui::SameLine();
+      ImGui::TextUnformatted(name.c_str());
+    }
+    if (ctx.sel.point >= 0) {
+      const sim::PointResult& p = pts[ctx.sel.point];
+      ImGui::Separator();
+      ImGui::Text("selected: %s @ %s", p.policy.c_str(), p.budget.c_str());
+      ImGui::Text("error %.4f  recall %.3f", p.total.quality.output_error, p.total.quality.attention_recall);
+    }
+    ImGui::EndGroup();
+  }
+
+ private:
+  int metric_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<Panel> make_quality_panel() { return std::make_unique<QualityPanel>(); }
+
+}  // namespace kvscope::viewer
