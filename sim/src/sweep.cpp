@@ -187,8 +187,8 @@ PolicySpec oracle_policy(const OracleOptions& o, const TraceContext& ctx) {
   p.adaptive = false;
   p.head_merge = false;
   p.compress_tokens = true;
-  // Pure scores: sinks stay forced, but no recent window that would couple the modalities' budgets.
-  p.recent = 0;
+  // Sinks and an absolute recent window stay forced; a recent window proportional to the budget
+  // would couple the modalities' budgets and break the additivity the greedy search assumes.
   p.recent_fraction = 0.0f;
   p.layer_modality_keep.assign(static_cast<std::size_t>(ctx.geometry.num_layers), {1.0, 1.0, 1.0, 1.0});
   return p;

@@ -66,7 +66,7 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
                        "comma-separated policies")(
         "budgets,b", po::value<std::string>()->default_value(kDefaultBudgets),
         "comma-separated budgets; START:STOP:STEP ranges of fractions allowed")(
-        "oracle", po::value<std::string>()->default_value("h2o"),
+        "oracle", po::value<std::string>()->default_value("tova"),
         "scorer policy of the oracle allocation reported beside the policies (per layer x modality "
         "budgets from measured error curves, greedy on marginal error per byte); 'none' to skip");
   } else {
