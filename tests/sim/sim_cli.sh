@@ -16,7 +16,7 @@ done
 rows=$(wc -l < "$dir/r.csv")
 [[ $rows -eq $((4 * 5 * 4 + 1)) ]] || { echo "FAIL csv has $rows lines"; fail=1; }
 # The default sweep adds oracle rows (one per budget) beside the policies.
-oracle=$("$kvsim" sweep --trace "$dir/t.h5" --policies h2o --budgets 0.25,0.5 -q 2>/dev/null | grep -c '^oracle-h2o')
+oracle=$("$kvsim" sweep --trace "$dir/t.h5" --policies h2o --budgets 0.25,0.5 -q 2>/dev/null | grep -c '^oracle-')
 [[ $oracle -eq 2 ]] || { echo "FAIL expected 2 oracle rows, got $oracle"; fail=1; }
 "$kvsim" run --trace "$dir/t.h5" --policy unicache@0.5 -q --layers >/dev/null 2>&1 || { echo "FAIL run unicache"; fail=1; }
 check() {  # expected-substring command...
