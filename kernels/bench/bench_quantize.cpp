@@ -1,9 +1,11 @@
 // Quantization benchmarks on one llava-1.5-7b layer, [32 heads, T, 128] fp16, T in
 // {576, 2048, 8192}. Memory-bound: bytes = compulsory traffic, i.e. the input read
 // once plus everything written (codes, scales, zeros, residual) for quantize, and the
-// stored bytes read plus the float32 output written for dequantize. (The kernels read
-// the input twice, once for the group statistics and once to encode; the second read
-// is not counted, so the reported rate is a lower bound on the traffic achieved.)
+// stored bytes read plus the float32 output written for dequantize. Per-token and
+// per-channel quantization read each input row once from memory (statistics and codes
+// while the row or the 32-token block is in cache); per-tensor/per-head (the fused int4
+// benchmark) must read the input twice, once for the global statistics and once to
+// encode: the second read is not counted, so that rate is a lower bound on the traffic.
 #include <cstdint>
 #include <vector>
 

@@ -168,6 +168,28 @@ const kernels::FullAttention& LayerData::full_attention(bool proportional_attent
   return full_;
 }
 
+void LayerData::prepare(const PolicySpec& p) {
+  k_f32();
+  v_f32();
+  full_attention(p.proportional_attention);
+  switch (p.scorer) {
+    case ScorerKind::kH2O: h2o(); break;
+    case ScorerKind::kSnapKV: snapkv(p.snapkv); break;
+    case ScorerKind::kTOVA: tova(); break;
+    case ScorerKind::kKeyNorm: key_norm(); break;
+    case ScorerKind::kUniCache:
+      h2o();
+      cross_received();
+      redundancy(p.unicache.seq_radius, p.unicache.grid_radius);
+      break;
+    default: break;
+  }
+  if (p.allocator == AllocatorKind::kUniCache) {
+    modality_similarity();
+    cross_given();
+  }
+}
+
 const PerModality& LayerData::modality_similarity() {
   if (have_similarity_) return modality_similarity_;
   // Mean cosine over pairs of tokens of the same modality: every token with up to 8 others

@@ -332,12 +332,24 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
         out.points[i].budget_value = keep[i];
       }
     }
+    // Statistics first (serially, each kernel parallel inside), then the points of this layer
+    // in parallel: each point only reads the layer's caches and writes its own result.
+    for (const auto& pt : points) layer.prepare(pt.policy);
+    std::vector<std::string> errors(points.size());
+#pragma omp parallel for schedule(dynamic)
     for (std::size_t i = 0; i < points.size(); ++i) {
       const auto t0 = std::chrono::steady_clock::now();
-      out.points[i].layers.push_back(run_policy_on_layer(points[i].policy, keep[i], layer, ctx, warn[i]));
+      try {
+        out.points[i].layers.push_back(run_policy_on_layer(points[i].policy, keep[i], layer, ctx, warn[i]));
+      } catch (const std::exception& e) {
+        errors[i] = out.points[i].policy + "@" + out.points[i].budget + ": " + e.what();
+      }
       out.points[i].seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+#pragma omp critical(kvscope_sweep_progress)
       if (options.progress) options.progress(++done, total);
     }
+    for (const auto& e : errors)
+      if (!e.empty()) throw std::runtime_error(e);
     if (options.oracle.enabled) measure_oracle_curves(options.oracle, layer, ctx, curves);
   }
   if (options.oracle.enabled) run_oracle(reader, options.oracle, ctx, curves, out);

@@ -1,4 +1,5 @@
-// CPU backend of compaction: validate every index first, then copy rows in parallel.
+// CPU backend of compaction: validate every index first, then copy rows in parallel
+// (chunks of rows, dynamically scheduled).
 #include "kvscope/kernels/compact.hpp"
 
 #include <algorithm>
@@ -71,6 +72,38 @@ Status validate_indices(const CompactShape& shape, const KeptIndices& kept) {
   return Status::Ok();
 }
 
+// Output rows per dynamically scheduled chunk: large enough that the head of the
+// chunk's first row is found once and then advanced, small enough that a thread the OS
+// has descheduled (shared machines) leaves little work behind for the others.
+constexpr std::int64_t kRowChunk = 64;
+
+// Gathers output rows [r0, r1).
+void gather_rows(const CompactShape& shape, const KeptIndices& kept, const CompactInputs& in,
+                 const CompactOutputs& out, std::size_t row_bytes, std::int64_t r0, std::int64_t r1) {
+  const std::int64_t H = shape.num_heads, T = shape.tokens;
+  const bool shared = kept.offsets == nullptr;
+  // Head of row r0: r0 / K for a shared list, the offsets segment holding r0 otherwise.
+  std::int64_t h = shared ? r0 / kept.num_kept
+                          : std::upper_bound(kept.offsets, kept.offsets + H + 1, r0) - kept.offsets - 1;
+  std::int64_t head_end = shared ? (h + 1) * kept.num_kept : kept.offsets[h + 1];
+  const char* keys = static_cast<const char*>(in.keys);
+  const char* values = static_cast<const char*>(in.values);
+  for (std::int64_t r = r0; r < r1; ++r) {
+    while (r >= head_end) {  // next head (skips heads that keep no rows)
+      ++h;
+      head_end = shared ? (h + 1) * kept.num_kept : kept.offsets[h + 1];
+    }
+    const std::int64_t t = kept.indices[shared ? r - h * kept.num_kept : r];
+    const std::size_t src = static_cast<std::size_t>(h * T + t) * row_bytes;
+    const std::size_t dst = static_cast<std::size_t>(r) * row_bytes;
+    if (keys != nullptr) std::memcpy(static_cast<char*>(out.keys) + dst, keys + src, row_bytes);
+    if (values != nullptr) std::memcpy(static_cast<char*>(out.values) + dst, values + src, row_bytes);
+    if (in.multiplicity != nullptr)
+      out.multiplicity[r] = in.multiplicity[(in.multiplicity_per_head ? h * T : 0) + t];
+    if (in.modality != nullptr) out.modality[r] = in.modality[t];
+  }
+}
+
 }  // namespace
 
 Status compact(const CompactShape& shape, const KeptIndices& kept, const CompactInputs& in,
@@ -78,27 +111,12 @@ Status compact(const CompactShape& shape, const KeptIndices& kept, const Compact
   KVSCOPE_NVTX_RANGE("cpu::compact", kCompact);
   KVSCOPE_RETURN_IF_ERROR(validate_compact(shape, kept, in, out));
   KVSCOPE_RETURN_IF_ERROR(validate_indices(shape, kept));
-  const std::int64_t H = shape.num_heads, T = shape.tokens, rows = compact_rows(shape, kept);
+  const std::int64_t rows = compact_rows(shape, kept);
   const std::size_t row_bytes = static_cast<std::size_t>(shape.head_dim) * dtype_bytes(shape.dtype);
-  const bool shared = kept.offsets == nullptr;
-#pragma omp parallel for schedule(static) if (rows * static_cast <std::int64_t>(row_bytes) >= (1 << 18))
-  for (std::int64_t r = 0; r < rows; ++r) {
-    // Head of output row r: r / K for a shared list, the offsets segment holding r otherwise.
-    const std::int64_t h = shared
-                               ? r / kept.num_kept
-                               : std::upper_bound(kept.offsets, kept.offsets + H + 1, r) - kept.offsets - 1;
-    const std::int64_t t = kept.indices[shared ? r % kept.num_kept : r];
-    const std::size_t src = static_cast<std::size_t>(h * T + t) * row_bytes;
-    const std::size_t dst = static_cast<std::size_t>(r) * row_bytes;
-    if (in.keys != nullptr) {
-      std::memcpy(static_cast<char*>(out.keys) + dst, static_cast<const char*>(in.keys) + src, row_bytes);
-    }
-    if (in.values != nullptr) {
-      std::memcpy(static_cast<char*>(out.values) + dst, static_cast<const char*>(in.values) + src, row_bytes);
-    }
-    if (in.multiplicity != nullptr)
-      out.multiplicity[r] = in.multiplicity[(in.multiplicity_per_head ? h * T : 0) + t];
-    if (in.modality != nullptr) out.modality[r] = in.modality[t];
+  const std::int64_t chunks = (rows + kRowChunk - 1) / kRowChunk;
+#pragma omp parallel for schedule(dynamic, 1) if (rows * static_cast <std::int64_t>(row_bytes) >= (1 << 18))
+  for (std::int64_t c = 0; c < chunks; ++c) {
+    gather_rows(shape, kept, in, out, row_bytes, c * kRowChunk, std::min(rows, (c + 1) * kRowChunk));
   }
   return Status::Ok();
 }

@@ -1,14 +1,21 @@
-// CPU backend of the quantization family (OpenMP over code rows).
+// CPU backend of the quantization family (OpenMP over code rows, one pass per row).
 // The scalar math lives in quant_math (quantize.hpp), shared with the CUDA backend.
 #include "kvscope/kernels/quantize.hpp"
 
 #include <algorithm>
+#include <bit>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kvscope/kernels/nvtx.hpp"
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace kvscope::kernels {
 
@@ -92,30 +99,237 @@ using quant_math::min_f;
 
 // Below this many elements the OpenMP fork/join costs more than it saves.
 constexpr std::int64_t kParallelMinElements = std::int64_t{1} << 16;
+// Code rows per dynamically scheduled chunk. Dynamic scheduling lets a running thread
+// take the rows of one the OS has descheduled (the machines are shared), and a chunk
+// of 16 rows (~2k elements) keeps the scheduling cost negligible.
+constexpr int kRowChunk = 16;
+// Independent min/max accumulators per row (one 512-bit register of floats).
+constexpr int kLanes = 16;
 
-// dst[0..n) = elements [offset, offset + n) of x, converted to float.
-void load_row(const void* x, DType t, std::int64_t offset, int n, float* dst) {
+// ---------------------------------------------------------------- conversion
+
+// Same value as half_to_float for every bit pattern (tested, NaN payloads included),
+// written branch-free so that the row loop vectorizes.
+inline float f16_bits_to_float(std::uint32_t h) {
+  const std::uint32_t sign = (h & 0x8000u) << 16, em = h & 0x7fffu;
+  // Normal: rebias the exponent (15 -> 127); Inf/NaN: exponent 31 -> 255.
+  const std::uint32_t normal =
+      (em << 13) + 0x38000000u + static_cast<std::uint32_t>(em >= 0x7c00u) * 0x38000000u;
+  // Zero and subnormal: mantissa * 2^-24, exact in float.
+  const std::uint32_t sub =
+      float_to_bits(static_cast<float>(static_cast<std::int32_t>(em)) * 5.9604644775390625e-8f);
+  const std::uint32_t is_sub = 0u - static_cast<std::uint32_t>(em < 0x400u);  // all ones or 0
+  return bits_to_float(((sub & is_sub) | (normal & ~is_sub)) | sign);
+}
+
+// Elements [offset, offset + n) of x as float: x itself for fp32, else converted into buf.
+template <DType kT>
+const float* row_as_float(const void* x, std::int64_t offset, int n, float* __restrict buf) {
+  if constexpr (kT == DType::kF32) {
+    (void)n;
+    (void)buf;
+    return static_cast<const float*>(x) + offset;
+  } else if constexpr (kT == DType::kBF16) {
+    const std::uint16_t* __restrict p = static_cast<const std::uint16_t*>(x) + offset;
+    for (int i = 0; i < n; ++i) buf[i] = bf16_to_float(p[i]);
+    return buf;
+  } else {
+    const std::uint16_t* __restrict p = static_cast<const std::uint16_t*>(x) + offset;
+    int i = 0;
+#if defined(__F16C__)
+    // vcvtph2ps converts every finite value and infinity exactly; it would quiet a
+    // signalling NaN, so a group of 8 holding a NaN takes the bit-exact path below.
+    for (; i + 8 <= n; i += 8) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i));
+      const __m128i mag = _mm_and_si128(h, _mm_set1_epi16(0x7fff));
+      if (_mm_movemask_epi8(_mm_cmpgt_epi16(mag, _mm_set1_epi16(0x7c00))) != 0) {
+        for (int k = i; k < i + 8; ++k) buf[k] = f16_bits_to_float(p[k]);
+      } else {
+        _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(h));
+      }
+    }
+#endif
+    for (; i < n; ++i) buf[i] = f16_bits_to_float(p[i]);
+    return buf;
+  }
+}
+
+// dst[0..n) = elements [offset, offset + n) of x (dtype t) as float; one dtype switch per row.
+void convert_row(const void* x, DType t, std::int64_t offset, int n, float* dst) {
   if (t == DType::kF32) {
     std::memcpy(dst, static_cast<const float*>(x) + offset, static_cast<std::size_t>(n) * sizeof(float));
   } else if (t == DType::kF16) {
-    // Same values as half_to_float (every bit pattern, tested), written branch-free so it vectorizes.
-    const std::uint16_t* p = static_cast<const std::uint16_t*>(x) + offset;
-    for (int i = 0; i < n; ++i) {
-      const std::uint32_t h = p[i], sign = (h & 0x8000u) << 16, em = h & 0x7fffu;
-      // Normal: rebias the exponent (15 -> 127); Inf/NaN: exponent 31 -> 255.
-      const std::uint32_t normal =
-          (em << 13) + 0x38000000u + static_cast<std::uint32_t>(em >= 0x7c00u) * 0x38000000u;
-      // Zero and subnormal: mantissa * 2^-24, exact in float.
-      const std::uint32_t sub =
-          float_to_bits(static_cast<float>(static_cast<std::int32_t>(em)) * 5.9604644775390625e-8f);
-      const std::uint32_t is_sub = 0u - static_cast<std::uint32_t>(em < 0x400u);  // all ones or 0
-      dst[i] = bits_to_float(((sub & is_sub) | (normal & ~is_sub)) | sign);
-    }
+    row_as_float<DType::kF16>(x, offset, n, dst);
   } else {
-    const std::uint16_t* p = static_cast<const std::uint16_t*>(x) + offset;
-    for (int i = 0; i < n; ++i) dst[i] = bf16_to_float(p[i]);
+    row_as_float<DType::kBF16>(x, offset, n, dst);
   }
 }
+
+// ---------------------------------------------------------------- row primitives
+
+// kLanes floats as one vector (GCC/Clang vector extension; 512-bit registers with
+// AVX-512, split into narrower ones elsewhere).
+typedef float LaneVec __attribute__((vector_size(kLanes * sizeof(float))));
+
+// min_f / max_f lane by lane: x < a ? x : a is one vminps.
+inline LaneVec min_lanes(LaneVec a, LaneVec x) { return x < a ? x : a; }
+inline LaneVec max_lanes(LaneVec a, LaneVec x) { return x > a ? x : a; }
+
+// Minimum and maximum of v[0..n), n >= 1, with min_f/max_f in kLanes independent
+// accumulators (min/max are exact, so the order does not change the result unless
+// the span holds a NaN). GCC does not vectorize the scalar select-based reduction,
+// hence the vector type.
+inline void min_max(const float* __restrict v, int n, float* mn_out, float* mx_out) {
+  int i = 0;
+  float a = v[0], b = v[0];
+  if (n >= kLanes) {
+    LaneVec mn, mx, x;
+    std::memcpy(&mn, v, sizeof(LaneVec));
+    mx = mn;
+    for (i = kLanes; i + kLanes <= n; i += kLanes) {
+      std::memcpy(&x, v + i, sizeof(LaneVec));
+      mn = min_lanes(mn, x);
+      mx = max_lanes(mx, x);
+    }
+    // Tree reduction across the lanes (halves, quarters, ...).
+    mn = min_lanes(mn, __builtin_shufflevector(mn, mn, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    mx = max_lanes(mx, __builtin_shufflevector(mx, mx, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    mn = min_lanes(mn, __builtin_shufflevector(mn, mn, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    mx = max_lanes(mx, __builtin_shufflevector(mx, mx, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    mn = min_lanes(mn, __builtin_shufflevector(mn, mn, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    mx = max_lanes(mx, __builtin_shufflevector(mx, mx, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    a = min_f(mn[0], mn[1]);
+    b = max_f(mx[0], mx[1]);
+  }
+  for (; i < n; ++i) {
+    a = min_f(a, v[i]);
+    b = max_f(b, v[i]);
+  }
+  *mn_out = a;
+  *mx_out = b;
+}
+
+// Division-free encoding. The code of v = div_rn(x - zero, divisor) only changes where
+// v crosses a half-integer (rounding half away from zero; the clamp bounds are
+// integers). v' = (x - zero) * (1 / divisor) has |v' - v| <= 3 * 2^-24 * |v| (two
+// roundings against one), i.e. < 4.6e-5 wherever |v| <= 256 (every boundary lies in
+// [-127.5, 254.5]; beyond 256 both clamp to the same code). So when v' is farther than
+// kNearHalf from every half-integer, v' and v give the same code; a span where some
+// element is that close is recomputed with the division. This requires a normal
+// reciprocal: divisors outside [2^-100, 2^100] always divide.
+constexpr float kNearHalf = 1.0f / 8192.0f;
+inline bool reciprocal_usable(float divisor) { return divisor >= 0x1p-100f && divisor <= 0x1p100f; }
+// 1 when the clamped quotient v lies within kNearHalf of a half-integer.
+inline int near_half(float v, int lo, int hi) {
+  float c = v >= static_cast<float>(lo) ? v : static_cast<float>(lo);
+  c = c > static_cast<float>(hi) ? static_cast<float>(hi) : c;
+  const float frac = c - static_cast<float>(static_cast<int>(c));
+  return static_cast<int>(std::fabs(std::fabs(frac) - 0.5f) < kNearHalf);
+}
+
+// Codes of n elements sharing one group (divisor = encode_divisor(scale)); bit for bit
+// quant_math::encode_with_divisor.
+inline void encode_span(const float* __restrict x, int n, float divisor, float zero, int lo, int hi,
+                        std::int32_t* __restrict q) {
+  if (reciprocal_usable(divisor)) {
+    const float r = 1.0f / divisor;
+    int near = 0;
+    for (int i = 0; i < n; ++i) {
+      const float v = quant_math::mul_rn(quant_math::sub_rn(x[i], zero), r);
+      q[i] = quant_math::encode_with_divisor(v, 1.0f, 0.0f, lo, hi);  // v / 1 - 0 = v
+      near |= near_half(v, lo, hi);
+    }
+    if (near == 0) return;
+  }
+  for (int i = 0; i < n; ++i) q[i] = quant_math::encode_with_divisor(x[i], divisor, zero, lo, hi);
+}
+
+// Codes of n elements with one group per element (per-channel granularity).
+// reciprocal[i] = 1 / divisor[i]; fast = every divisor passes reciprocal_usable.
+inline void encode_span_each(const float* __restrict x, int n, const float* __restrict divisor,
+                             const float* __restrict reciprocal, bool fast, const float* __restrict zero,
+                             int lo, int hi, std::int32_t* __restrict q) {
+  if (fast) {
+    int near = 0;
+    for (int i = 0; i < n; ++i) {
+      const float v = quant_math::mul_rn(quant_math::sub_rn(x[i], zero[i]), reciprocal[i]);
+      q[i] = quant_math::encode_with_divisor(v, 1.0f, 0.0f, lo, hi);
+      near |= near_half(v, lo, hi);
+    }
+    if (near == 0) return;
+  }
+  for (int i = 0; i < n; ++i) q[i] = quant_math::encode_with_divisor(x[i], divisor[i], zero[i], lo, hi);
+}
+
+inline void decode_span(const std::int32_t* __restrict q, int n, float scale, float zero,
+                        float* __restrict out) {
+  for (int i = 0; i < n; ++i) out[i] = quant_math::decode(q[i], scale, zero);
+}
+
+// zero may be null (symmetric: every zero is 0).
+inline void decode_span_each(const std::int32_t* __restrict q, int n, const float* __restrict scale,
+                             const float* __restrict zero, float* __restrict out) {
+  if (zero == nullptr) {
+    for (int i = 0; i < n; ++i) out[i] = quant_math::decode(q[i], scale[i], 0.0f);
+  } else {
+    for (int i = 0; i < n; ++i) out[i] = quant_math::decode(q[i], scale[i], zero[i]);
+  }
+}
+
+// Packs d codes into ceil(d * kBits / 8) bytes, lowest bits first, unused bits 0.
+// fields: scratch of d + 3 bytes. The codes first become one field per byte; 4 (2-bit)
+// or 2 (4-bit) consecutive bytes, read as one little-endian word, then fold into one
+// byte with shifts and masks, a loop the compiler vectorizes.
+static_assert(std::endian::native == std::endian::little, "pack_row reads bytes as little-endian words");
+
+template <int kBits>
+void pack_row(const std::int32_t* __restrict q, int d, std::uint8_t* __restrict fields,
+              std::uint8_t* __restrict out) {
+  if constexpr (kBits == 8) {
+    (void)fields;
+    for (int i = 0; i < d; ++i) out[i] = static_cast<std::uint8_t>(quant_math::to_field(q[i], 8));
+  } else {
+    constexpr int kPer = 8 / kBits;
+    for (int i = 0; i < d; ++i) fields[i] = static_cast<std::uint8_t>(quant_math::to_field(q[i], kBits));
+    for (int i = d; i < d + kPer - 1; ++i) fields[i] = 0;  // a partial last byte reads zero fields
+    const int nbytes = (d + kPer - 1) / kPer;
+    for (int j = 0; j < nbytes; ++j) {
+      if constexpr (kBits == 4) {
+        std::uint16_t w;
+        std::memcpy(&w, fields + 2 * j, 2);
+        out[j] = static_cast<std::uint8_t>((w & 0x0fu) | ((w >> 4) & 0xf0u));
+      } else {
+        std::uint32_t w;
+        std::memcpy(&w, fields + 4 * j, 4);
+        out[j] = static_cast<std::uint8_t>((w & 0x03u) | ((w >> 6) & 0x0cu) | ((w >> 12) & 0x30u) |
+                                           ((w >> 18) & 0xc0u));
+      }
+    }
+  }
+}
+
+template <int kBits, bool kSymmetric>
+void unpack_row(const std::uint8_t* __restrict in, int d, std::int32_t* __restrict q) {
+  constexpr unsigned kMask = (1u << kBits) - 1u;
+  if constexpr (kBits == 8) {
+    for (int i = 0; i < d; ++i) q[i] = quant_math::from_field(in[i], 8, kSymmetric);
+  } else {
+    constexpr int kPer = 8 / kBits;
+    const int full = d / kPer;
+    for (int j = 0; j < full; ++j) {
+      const unsigned byte = in[j];
+      for (int k = 0; k < kPer; ++k) {
+        q[j * kPer + k] = quant_math::from_field((byte >> (k * kBits)) & kMask, kBits, kSymmetric);
+      }
+    }
+    for (int i = full * kPer; i < d; ++i) {
+      q[i] = quant_math::from_field((static_cast<unsigned>(in[full]) >> ((i % kPer) * kBits)) & kMask, kBits,
+                                    kSymmetric);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- plan
 
 // Everything the row loops need, derived once from spec + shape + layout.
 struct Plan {
@@ -129,49 +343,120 @@ struct Plan {
   }
 };
 
-Plan make_plan(const QuantSpec& spec, const QuantShape& shape, const QuantLayout& layout) {
+Status plan_for(const char* fn, const QuantSpec& spec, const QuantShape& shape, Plan* plan) {
+  QuantLayout layout;
+  const Status s = quant_layout(spec, shape, &layout);
+  if (!s.ok()) return Status::Invalid(std::string(fn) + ": " + s.message());
   const std::int64_t elements = static_cast<std::int64_t>(shape.num_heads) * shape.tokens * shape.head_dim;
-  return Plan{spec,
-              shape,
-              layout,
-              quant_math::code_min(spec.bits, spec.symmetric),
-              quant_math::code_max(spec.bits, spec.symmetric),
-              elements >= kParallelMinElements};
+  *plan = Plan{spec,
+               shape,
+               layout,
+               quant_math::code_min(spec.bits, spec.symmetric),
+               quant_math::code_max(spec.bits, spec.symmetric),
+               elements >= kParallelMinElements};
+  return Status::Ok();
 }
 
-void set_params(const Plan& p, std::int64_t group, float mn, float mx, float* scales, float* zeros) {
-  float s = 0.0f, z = 0.0f;
-  quant_math::group_params(mn, mx, p.spec.bits, p.spec.symmetric, &s, &z);
-  scales[group] = s;
-  if (zeros != nullptr) zeros[group] = z;
-}
+// Where the quantizing kernels put their result: packed codes plus scales/zeros
+// (quantize), or dequantized floats (fake quant, codes == nullptr; scales/zeros are
+// still written, to scratch).
+struct QuantOut {
+  std::uint8_t* codes = nullptr;  // [H, Tq, row_bytes]
+  float* scales = nullptr;        // [num_groups]
+  float* zeros = nullptr;         // [num_groups]; null when symmetric
+  void* residual = nullptr;       // quantize: [H, R, D] input dtype
+  float* out = nullptr;           // fake quant: [H, T, D]
+};
 
-// Group minima/maxima -> scales (and zeros when asymmetric; zeros may be null when symmetric).
-void compute_params(const Plan& p, const void* x, float* scales, float* zeros) {
-  const std::int64_t H = p.shape.num_heads, Tq = p.layout.quant_tokens, D = p.shape.head_dim;
+// Orphaned worksharing loops (called inside a parallel region, no barrier at the end).
+// Quantize: residual tokens copied byte for byte. Fake quant: converted to float.
+template <bool kFake>
+void residual_rows(const Plan& p, const void* x, const QuantOut& o) {
+  const std::int64_t H = p.shape.num_heads, R = p.layout.residual_tokens, Tq = p.layout.quant_tokens;
   const int d = p.shape.head_dim;
-  const DType dt = p.shape.dtype;
-  switch (p.spec.granularity) {
-    case Granularity::kPerTensor:
-    case Granularity::kPerHead: {
-      // Row minima/maxima in parallel, then an exact (order-free) reduction per head.
-      std::vector<float> row_mn(static_cast<std::size_t>(H * Tq)), row_mx(row_mn.size());
+  if (R == 0) return;
+  if constexpr (kFake) {
+#pragma omp for schedule(static) nowait
+    for (std::int64_t r = 0; r < H * R; ++r) {
+      const std::int64_t h = r / R, t = Tq + r % R;
+      convert_row(x, p.shape.dtype, p.row_offset(h, t), d, o.out + p.row_offset(h, t));
+    }
+  } else {
+    const std::size_t esz = dtype_bytes(p.shape.dtype);
+    const std::size_t head_bytes = static_cast<std::size_t>(R) * d * esz;
+#pragma omp for schedule(static) nowait
+    for (std::int64_t h = 0; h < H; ++h) {
+      std::memcpy(static_cast<char*>(o.residual) + h * head_bytes,
+                  static_cast<const char*>(x) + static_cast<std::size_t>(p.row_offset(h, Tq)) * esz,
+                  head_bytes);
+    }
+  }
+}
+
+// Stores the codes of row `row` (packed) or their dequantized values (fake quant).
+template <int kBits, bool kFake>
+inline void emit_row(const Plan& p, const QuantOut& o, std::int64_t row, const std::int32_t* q,
+                     std::uint8_t* fields) {
+  (void)fields;
+  if constexpr (!kFake) pack_row<kBits>(q, p.shape.head_dim, fields, o.codes + row * p.layout.row_bytes);
+}
+
+// ---------------------------------------------------------------- quantize kernels
+
+// Per-token groups: one pass per row (statistics, codes, output) while the row is in L1.
+template <DType kT, int kBits, bool kFake>
+void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
+  const std::int64_t H = p.shape.num_heads, Tq = p.layout.quant_tokens;
+  const int d = p.shape.head_dim, G = static_cast<int>(p.layout.group_size);
+  const std::int64_t ng = p.layout.groups_per_row;
 #pragma omp parallel if (p.parallel)
-      {
-        std::vector<float> buf(static_cast<std::size_t>(d));
-#pragma omp for schedule(static)
-        for (std::int64_t r = 0; r < H * Tq; ++r) {
-          load_row(x, dt, p.row_offset(r / Tq, r % Tq), d, buf.data());
-          float mn = buf[0], mx = buf[0];
-          for (int i = 1; i < d; ++i) {
-            mn = min_f(mn, buf[i]);
-            mx = max_f(mx, buf[i]);
-          }
-          row_mn[static_cast<std::size_t>(r)] = mn;
-          row_mx[static_cast<std::size_t>(r)] = mx;
-        }
+  {
+    std::vector<float> buf(static_cast<std::size_t>(d));
+    std::vector<std::int32_t> q(buf.size());
+    std::vector<std::uint8_t> fields(buf.size() + 3);
+    residual_rows<kFake>(p, x, o);
+#pragma omp for schedule(dynamic, kRowChunk)
+    for (std::int64_t row = 0; row < H * Tq; ++row) {
+      const std::int64_t off = p.row_offset(row / Tq, row % Tq);
+      const float* xr = row_as_float<kT>(x, off, d, buf.data());
+      for (std::int64_t g = 0; g < ng; ++g) {
+        const int i0 = static_cast<int>(g) * G, n = std::min(d - i0, G);
+        float mn = 0.0f, mx = 0.0f, s = 0.0f, z = 0.0f;
+        min_max(xr + i0, n, &mn, &mx);
+        quant_math::group_params(mn, mx, kBits, p.spec.symmetric, &s, &z);
+        o.scales[row * ng + g] = s;
+        if (o.zeros != nullptr) o.zeros[row * ng + g] = z;
+        encode_span(xr + i0, n, quant_math::encode_divisor(s), z, p.lo, p.hi, q.data() + i0);
+        if constexpr (kFake) decode_span(q.data() + i0, n, s, z, o.out + off + i0);
       }
-      const std::int64_t groups = p.spec.granularity == Granularity::kPerTensor ? 1 : H;
+      emit_row<kBits, kFake>(p, o, row, q.data(), fields.data());
+    }
+  }
+}
+
+// Per-tensor / per-head: row minima and maxima, an exact reduction per group, then a
+// second pass that encodes each row with its group's scale. One parallel region (a
+// region start costs milliseconds on a loaded machine), the reduction in `single`.
+template <DType kT, int kBits, bool kFake>
+void quantize_whole(const Plan& p, const void* x, const QuantOut& o) {
+  const std::int64_t H = p.shape.num_heads, Tq = p.layout.quant_tokens;
+  const int d = p.shape.head_dim;
+  const bool per_tensor = p.spec.granularity == Granularity::kPerTensor;
+  std::vector<float> row_mn(static_cast<std::size_t>(H * Tq)), row_mx(row_mn.size());
+#pragma omp parallel if (p.parallel)
+  {
+    std::vector<float> buf(static_cast<std::size_t>(d));
+    std::vector<std::int32_t> q(buf.size());
+    std::vector<std::uint8_t> fields(buf.size() + 3);
+    residual_rows<kFake>(p, x, o);
+#pragma omp for schedule(dynamic, kRowChunk)
+    for (std::int64_t r = 0; r < H * Tq; ++r) {
+      const float* xr = row_as_float<kT>(x, p.row_offset(r / Tq, r % Tq), d, buf.data());
+      min_max(xr, d, &row_mn[static_cast<std::size_t>(r)], &row_mx[static_cast<std::size_t>(r)]);
+    }
+#pragma omp single
+    {
+      const std::int64_t groups = per_tensor ? 1 : H;
       const std::int64_t rows_per_group = H * Tq / groups;
       for (std::int64_t g = 0; g < groups; ++g) {
         float mn = std::numeric_limits<float>::infinity(), mx = -mn;
@@ -180,166 +465,148 @@ void compute_params(const Plan& p, const void* x, float* scales, float* zeros) {
           mx = max_f(mx, row_mx[static_cast<std::size_t>(r)]);
         }
         if (rows_per_group == 0) mn = mx = 0.0f;  // everything is residual
-        set_params(p, g, mn, mx, scales, zeros);
+        float s = 0.0f, z = 0.0f;
+        quant_math::group_params(mn, mx, kBits, p.spec.symmetric, &s, &z);
+        o.scales[g] = s;
+        if (o.zeros != nullptr) o.zeros[g] = z;
       }
-      break;
-    }
-    case Granularity::kPerToken: {
-      const std::int64_t G = p.layout.group_size, ng = p.layout.groups_per_row;
-#pragma omp parallel if (p.parallel)
-      {
-        std::vector<float> buf(static_cast<std::size_t>(d));
-#pragma omp for schedule(static)
-        for (std::int64_t r = 0; r < H * Tq; ++r) {
-          load_row(x, dt, p.row_offset(r / Tq, r % Tq), d, buf.data());
-          for (std::int64_t g = 0; g < ng; ++g) {
-            const std::int64_t i0 = g * G, i1 = std::min(D, i0 + G);
-            float mn = buf[static_cast<std::size_t>(i0)], mx = mn;
-            for (std::int64_t i = i0 + 1; i < i1; ++i) {
-              mn = min_f(mn, buf[static_cast<std::size_t>(i)]);
-              mx = max_f(mx, buf[static_cast<std::size_t>(i)]);
-            }
-            set_params(p, r * ng + g, mn, mx, scales, zeros);
-          }
-        }
-      }
-      break;
-    }
-    case Granularity::kPerChannel: {
-      const std::int64_t G = p.layout.group_size, ngt = p.layout.groups_per_row;
-#pragma omp parallel if (p.parallel)
-      {
-        std::vector<float> buf(static_cast<std::size_t>(d)), mn(buf.size()), mx(buf.size());
-#pragma omp for schedule(static)
-        for (std::int64_t hg = 0; hg < H * ngt; ++hg) {
-          const std::int64_t h = hg / ngt, t0 = (hg % ngt) * G, t1 = std::min(Tq, t0 + G);
-          load_row(x, dt, p.row_offset(h, t0), d, mn.data());
-          std::copy(mn.begin(), mn.end(), mx.begin());
-          for (std::int64_t t = t0 + 1; t < t1; ++t) {
-            load_row(x, dt, p.row_offset(h, t), d, buf.data());
-            for (int i = 0; i < d; ++i) {
-              mn[i] = min_f(mn[i], buf[i]);
-              mx[i] = max_f(mx[i], buf[i]);
-            }
-          }
-          for (int i = 0; i < d; ++i) set_params(p, hg * D + i, mn[i], mx[i], scales, zeros);
-        }
-      }
-      break;
+    }  // implicit barrier: every thread sees the scales
+#pragma omp for schedule(dynamic, kRowChunk)
+    for (std::int64_t row = 0; row < H * Tq; ++row) {
+      const std::int64_t g = per_tensor ? 0 : row / Tq, off = p.row_offset(row / Tq, row % Tq);
+      const float s = o.scales[g], z = o.zeros != nullptr ? o.zeros[g] : 0.0f;
+      encode_span(row_as_float<kT>(x, off, d, buf.data()), d, quant_math::encode_divisor(s), z, p.lo, p.hi,
+                  q.data());
+      if constexpr (kFake) decode_span(q.data(), d, s, z, o.out + off);
+      emit_row<kBits, kFake>(p, o, row, q.data(), fields.data());
     }
   }
 }
 
-// Per-channel scale and zero of code row (h, t): s[i], z[i] for i < head_dim.
-void row_params(const Plan& p, const float* scales, const float* zeros, std::int64_t h, std::int64_t t,
-                float* s, float* z) {
+// Per-channel groups of G tokens: per (head, token group), the channel minima and
+// maxima over its rows, then the rows encoded (G = 32: an 8-16 KiB block, still in L1/L2).
+template <DType kT, int kBits, bool kFake>
+void quantize_per_channel(const Plan& p, const void* x, const QuantOut& o) {
+  const std::int64_t H = p.shape.num_heads, Tq = p.layout.quant_tokens;
+  const std::int64_t G = p.layout.group_size, ngt = p.layout.groups_per_row;
   const int d = p.shape.head_dim;
-  const std::int64_t D = d;
+#pragma omp parallel if (p.parallel)
+  {
+    const std::size_t n = static_cast<std::size_t>(d);
+    std::vector<float> buf(n), mn(n), mx(n), s(n), z(n), div(n), rcp(n);
+    std::vector<std::int32_t> q(n);
+    std::vector<std::uint8_t> fields(n + 3);
+    residual_rows<kFake>(p, x, o);
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t hg = 0; hg < H * ngt; ++hg) {
+      const std::int64_t h = hg / ngt, t0 = (hg % ngt) * G, t1 = std::min(Tq, t0 + G);
+      const float* xr = row_as_float<kT>(x, p.row_offset(h, t0), d, buf.data());
+      std::copy(xr, xr + d, mn.begin());
+      std::copy(xr, xr + d, mx.begin());
+      for (std::int64_t t = t0 + 1; t < t1; ++t) {
+        xr = row_as_float<kT>(x, p.row_offset(h, t), d, buf.data());
+        for (int i = 0; i < d; ++i) {
+          mn[i] = min_f(mn[i], xr[i]);
+          mx[i] = max_f(mx[i], xr[i]);
+        }
+      }
+      bool fast = true;
+      for (int i = 0; i < d; ++i) {
+        quant_math::group_params(mn[i], mx[i], kBits, p.spec.symmetric, &s[i], &z[i]);
+        div[i] = quant_math::encode_divisor(s[i]);
+        fast = fast && reciprocal_usable(div[i]);
+        rcp[i] = 1.0f / div[i];
+      }
+      std::copy(s.begin(), s.end(), o.scales + hg * d);
+      if (o.zeros != nullptr) std::copy(z.begin(), z.end(), o.zeros + hg * d);
+      for (std::int64_t t = t0; t < t1; ++t) {
+        const std::int64_t off = p.row_offset(h, t);
+        encode_span_each(row_as_float<kT>(x, off, d, buf.data()), d, div.data(), rcp.data(), fast, z.data(),
+                         p.lo, p.hi, q.data());
+        if constexpr (kFake) decode_span_each(q.data(), d, s.data(), z.data(), o.out + off);
+        emit_row<kBits, kFake>(p, o, h * Tq + t, q.data(), fields.data());
+      }
+    }
+  }
+}
+
+template <DType kT, int kBits, bool kFake>
+void quantize_granularity(const Plan& p, const void* x, const QuantOut& o) {
   switch (p.spec.granularity) {
     case Granularity::kPerTensor:
-    case Granularity::kPerHead: {
-      const std::int64_t g = p.spec.granularity == Granularity::kPerTensor ? 0 : h;
-      std::fill(s, s + d, scales[g]);
-      std::fill(z, z + d, zeros != nullptr ? zeros[g] : 0.0f);
+    case Granularity::kPerHead:
+      quantize_whole<kT, kBits, kFake>(p, x, o);
       break;
-    }
-    case Granularity::kPerToken: {
-      const std::int64_t G = p.layout.group_size,
-                         base = (h * p.layout.quant_tokens + t) * p.layout.groups_per_row;
-      for (std::int64_t g = 0; g < p.layout.groups_per_row; ++g) {
-        const std::int64_t i0 = g * G, i1 = std::min(D, i0 + G);
-        std::fill(s + i0, s + i1, scales[base + g]);
-        std::fill(z + i0, z + i1, zeros != nullptr ? zeros[base + g] : 0.0f);
-      }
+    case Granularity::kPerToken:
+      quantize_per_token<kT, kBits, kFake>(p, x, o);
       break;
-    }
-    case Granularity::kPerChannel: {
-      const std::int64_t base = (h * p.layout.groups_per_row + t / p.layout.group_size) * D;
-      std::copy(scales + base, scales + base + D, s);
-      if (zeros != nullptr) {
-        std::copy(zeros + base, zeros + base + D, z);
-      } else {
-        std::fill(z, z + d, 0.0f);
-      }
+    case Granularity::kPerChannel:
+      quantize_per_channel<kT, kBits, kFake>(p, x, o);
       break;
+  }
+}
+
+// The dtype and bit width become template parameters here, once per call.
+template <bool kFake>
+void quantize_dispatch(const Plan& p, const void* x, const QuantOut& o) {
+  const auto by_bits = [&](auto tag) {
+    constexpr DType kT = decltype(tag)::value;
+    if (p.spec.bits == 8) {
+      quantize_granularity<kT, 8, kFake>(p, x, o);
+    } else if (p.spec.bits == 4) {
+      quantize_granularity<kT, 4, kFake>(p, x, o);
+    } else {
+      quantize_granularity<kT, 2, kFake>(p, x, o);
     }
-  }
-}
-
-// Per-thread scratch for one row.
-struct RowScratch {
-  explicit RowScratch(int d)
-      : x(static_cast<std::size_t>(d)), s(x.size()), z(x.size()), div(x.size()), q(x.size()) {}
-  std::vector<float> x, s, z, div;
-  std::vector<int> q;
-};
-
-// Codes of one row; two simple loops so that both vectorize.
-void encode_row(const Plan& p, RowScratch& r, int* q) {
-  const int d = p.shape.head_dim, lo = p.lo, hi = p.hi;
-  float* __restrict div = r.div.data();
-  const float* __restrict s = r.s.data();
-  const float* __restrict x = r.x.data();
-  const float* __restrict z = r.z.data();
-  for (int i = 0; i < d; ++i) div[i] = quant_math::encode_divisor(s[i]);
-  for (int i = 0; i < d; ++i) q[i] = quant_math::encode_with_divisor(x[i], div[i], z[i], lo, hi);
-}
-
-void pack_row(const int* q, int d, int bits, std::uint8_t* out) {
-  if (bits == 8) {
-    for (int i = 0; i < d; ++i) out[i] = static_cast<std::uint8_t>(quant_math::to_field(q[i], 8));
-    return;
-  }
-  const int per = 8 / bits;
-  const int nbytes = (d * bits + 7) / 8;
-  for (int j = 0; j < nbytes; ++j) {
-    unsigned byte = 0;
-    for (int k = 0; k < per; ++k) {
-      const int i = j * per + k;
-      if (i < d) byte |= quant_math::to_field(q[i], bits) << (k * bits);
-    }
-    out[j] = static_cast<std::uint8_t>(byte);
-  }
-}
-
-template <int kBits>
-void unpack_row_bits(const std::uint8_t* __restrict in, int d, bool symmetric, int* __restrict q) {
-  constexpr int kPer = 8 / kBits;
-  constexpr unsigned kMask = (1u << kBits) - 1u;
-  for (int i = 0; i < d; ++i) {
-    const unsigned field = (static_cast<unsigned>(in[i / kPer]) >> ((i % kPer) * kBits)) & kMask;
-    q[i] = quant_math::from_field(field, kBits, symmetric);
-  }
-}
-
-void unpack_row(const std::uint8_t* in, int d, int bits, bool symmetric, int* q) {
-  if (bits == 8) {
-    unpack_row_bits<8>(in, d, symmetric, q);
-  } else if (bits == 4) {
-    unpack_row_bits<4>(in, d, symmetric, q);
+  };
+  if (p.shape.dtype == DType::kF32) {
+    by_bits(std::integral_constant<DType, DType::kF32>{});
+  } else if (p.shape.dtype == DType::kF16) {
+    by_bits(std::integral_constant<DType, DType::kF16>{});
   } else {
-    unpack_row_bits<2>(in, d, symmetric, q);
+    by_bits(std::integral_constant<DType, DType::kBF16>{});
   }
 }
 
-// Residual tokens of every head converted to float into out [H, T, D].
-void residual_to_float(const Plan& p, const void* src, std::int64_t src_tokens, std::int64_t src_first,
-                       float* out) {
-  const std::int64_t H = p.shape.num_heads, R = p.layout.residual_tokens, Tq = p.layout.quant_tokens;
+// ---------------------------------------------------------------- dequantize kernel
+
+template <int kBits, bool kSymmetric>
+void dequantize_rows(const Plan& p, const QuantConstBuffers& in, float* out) {
+  const std::int64_t H = p.shape.num_heads, Tq = p.layout.quant_tokens, R = p.layout.residual_tokens;
   const int d = p.shape.head_dim;
-#pragma omp parallel for schedule(static) if (p.parallel)
-  for (std::int64_t r = 0; r < H * R; ++r) {
-    const std::int64_t h = r / R, t = r % R;
-    load_row(src, p.shape.dtype, (h * src_tokens + src_first + t) * d, d, out + p.row_offset(h, Tq + t));
+  const float* zeros = kSymmetric ? nullptr : in.zeros;
+  const Granularity gr = p.spec.granularity;
+  const std::int64_t G = p.layout.group_size, ng = p.layout.groups_per_row;
+#pragma omp parallel if (p.parallel)
+  {
+    std::vector<std::int32_t> q(static_cast<std::size_t>(d));
+    if (R > 0) {
+#pragma omp for schedule(static) nowait
+      for (std::int64_t r = 0; r < H * R; ++r) {
+        const std::int64_t h = r / R, t = r % R;
+        convert_row(in.residual, p.shape.dtype, (h * R + t) * d, d, out + p.row_offset(h, Tq + t));
+      }
+    }
+#pragma omp for schedule(dynamic, kRowChunk)
+    for (std::int64_t row = 0; row < H * Tq; ++row) {
+      const std::int64_t h = row / Tq, t = row % Tq;
+      float* o = out + p.row_offset(h, t);
+      unpack_row<kBits, kSymmetric>(in.codes + row * p.layout.row_bytes, d, q.data());
+      if (gr == Granularity::kPerToken) {
+        for (std::int64_t g = 0; g < ng; ++g) {
+          const int i0 = static_cast<int>(g * G), n = std::min(d - i0, static_cast<int>(G));
+          decode_span(q.data() + i0, n, in.scales[row * ng + g],
+                      zeros != nullptr ? zeros[row * ng + g] : 0.0f, o + i0);
+        }
+      } else if (gr == Granularity::kPerChannel) {
+        const std::int64_t base = (h * ng + t / G) * d;
+        decode_span_each(q.data(), d, in.scales + base, zeros != nullptr ? zeros + base : nullptr, o);
+      } else {
+        const std::int64_t g = gr == Granularity::kPerTensor ? 0 : h;
+        decode_span(q.data(), d, in.scales[g], zeros != nullptr ? zeros[g] : 0.0f, o);
+      }
+    }
   }
-}
-
-Status plan_for(const char* fn, const QuantSpec& spec, const QuantShape& shape, Plan* plan) {
-  QuantLayout layout;
-  const Status s = quant_layout(spec, shape, &layout);
-  if (!s.ok()) return Status::Invalid(std::string(fn) + ": " + s.message());
-  *plan = make_plan(spec, shape, layout);
-  return Status::Ok();
 }
 
 }  // namespace
@@ -357,30 +624,12 @@ Status quantize(const QuantSpec& spec, const QuantShape& shape, const void* x, c
   if (out.residual == nullptr && l.residual_bytes > 0) {
     return Status::Invalid("quantize: out.residual is null (residual_tokens > 0)");
   }
-  float* zeros = spec.symmetric ? nullptr : out.zeros;
-  compute_params(p, x, out.scales, zeros);
-
-  const std::int64_t H = shape.num_heads, Tq = l.quant_tokens;
-  const int d = shape.head_dim;
-#pragma omp parallel if (p.parallel)
-  {
-    RowScratch r(d);
-#pragma omp for schedule(static)
-    for (std::int64_t row = 0; row < H * Tq; ++row) {
-      const std::int64_t h = row / Tq, t = row % Tq;
-      load_row(x, shape.dtype, p.row_offset(h, t), d, r.x.data());
-      row_params(p, out.scales, zeros, h, t, r.s.data(), r.z.data());
-      encode_row(p, r, r.q.data());
-      pack_row(r.q.data(), d, spec.bits, out.codes + row * l.row_bytes);
-    }
-  }
-  // Residual: the last R tokens of every head, copied byte for byte.
-  const std::size_t esz = dtype_bytes(shape.dtype);
-  const std::size_t res_row = static_cast<std::size_t>(l.residual_tokens) * d * esz;
-  for (std::int64_t h = 0; h < H && res_row > 0; ++h) {
-    std::memcpy(static_cast<char*>(out.residual) + h * res_row,
-                static_cast<const char*>(x) + static_cast<std::size_t>(p.row_offset(h, Tq)) * esz, res_row);
-  }
+  QuantOut o;
+  o.codes = out.codes;
+  o.scales = out.scales;
+  o.zeros = spec.symmetric ? nullptr : out.zeros;
+  o.residual = out.residual;
+  quantize_dispatch<false>(p, x, o);
   return Status::Ok();
 }
 
@@ -396,23 +645,23 @@ Status dequantize(const QuantSpec& spec, const QuantShape& shape, const QuantCon
     return Status::Invalid("dequantize: in.zeros is null (asymmetric)");
   if (in.residual == nullptr && l.residual_bytes > 0)
     return Status::Invalid("dequantize: in.residual is null");
-  const float* zeros = spec.symmetric ? nullptr : in.zeros;
-
-  const std::int64_t H = shape.num_heads, Tq = l.quant_tokens;
-  const int d = shape.head_dim;
-#pragma omp parallel if (p.parallel)
-  {
-    RowScratch r(d);
-#pragma omp for schedule(static)
-    for (std::int64_t row = 0; row < H * Tq; ++row) {
-      const std::int64_t h = row / Tq, t = row % Tq;
-      row_params(p, in.scales, zeros, h, t, r.s.data(), r.z.data());
-      unpack_row(in.codes + row * l.row_bytes, d, spec.bits, spec.symmetric, r.q.data());
-      float* o = out + p.row_offset(h, t);
-      for (int i = 0; i < d; ++i) o[i] = quant_math::decode(r.q[i], r.s[i], r.z[i]);
+  if (spec.symmetric) {
+    if (spec.bits == 8) {
+      dequantize_rows<8, true>(p, in, out);
+    } else if (spec.bits == 4) {
+      dequantize_rows<4, true>(p, in, out);
+    } else {
+      dequantize_rows<2, true>(p, in, out);
+    }
+  } else {
+    if (spec.bits == 8) {
+      dequantize_rows<8, false>(p, in, out);
+    } else if (spec.bits == 4) {
+      dequantize_rows<4, false>(p, in, out);
+    } else {
+      dequantize_rows<2, false>(p, in, out);
     }
   }
-  residual_to_float(p, in.residual, l.residual_tokens, 0, out);
   return Status::Ok();
 }
 
@@ -426,25 +675,11 @@ Status quantize_dequantize(const QuantSpec& spec, const QuantShape& shape, const
   if (static_cast<const void*>(out) == x) return Status::Invalid("quantize_dequantize: out aliases x");
   std::vector<float> scales(static_cast<std::size_t>(l.num_groups));
   std::vector<float> zeros(spec.symmetric ? 0 : scales.size());
-  float* zp = spec.symmetric ? nullptr : zeros.data();
-  compute_params(p, x, scales.data(), zp);
-
-  const std::int64_t H = shape.num_heads, Tq = l.quant_tokens;
-  const int d = shape.head_dim;
-#pragma omp parallel if (p.parallel)
-  {
-    RowScratch r(d);
-#pragma omp for schedule(static)
-    for (std::int64_t row = 0; row < H * Tq; ++row) {
-      const std::int64_t h = row / Tq, t = row % Tq;
-      load_row(x, shape.dtype, p.row_offset(h, t), d, r.x.data());
-      row_params(p, scales.data(), zp, h, t, r.s.data(), r.z.data());
-      encode_row(p, r, r.q.data());
-      float* o = out + p.row_offset(h, t);
-      for (int i = 0; i < d; ++i) o[i] = quant_math::decode(r.q[i], r.s[i], r.z[i]);
-    }
-  }
-  residual_to_float(p, x, shape.tokens, Tq, out);
+  QuantOut o;
+  o.scales = scales.data();
+  o.zeros = spec.symmetric ? nullptr : zeros.data();
+  o.out = out;
+  quantize_dispatch<true>(p, x, o);
   return Status::Ok();
 }
 

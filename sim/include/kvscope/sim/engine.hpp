@@ -57,6 +57,9 @@ class LayerData {
   const std::vector<float>& cross_given();                    // share of a token's attention on other modalities
   // Mean key cosine of pairs inside each modality (information density proxy), per modality.
   const PerModality& modality_similarity();
+  // Computes every statistic `policy` reads, so that several policies can then run on this
+  // layer concurrently (the lazy caches are not thread-safe to fill, only to read).
+  void prepare(const PolicySpec& policy);
   // Full-cache attention of the evaluation (decode) queries, computed once per layer and
   // shared by every policy point: probabilities [Hq, S, T], outputs [Hq, S, D], entropy, mass.
   const kernels::FullAttention& full_attention(bool proportional_attention);
