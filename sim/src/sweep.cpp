@@ -362,13 +362,11 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
       accumulate(pt.total, lr.total, 1.0 / L);
     }
     pt.flags = detect_collapse(pt, options.thresholds, has_vision);
-    if (i >= warn.size()) continue;
-    const auto& w = warn[i];
-    for (std::size_t j = 0; j < w.size() && j < 3; ++j) out.warnings.push_back(pt.policy + "@" + pt.budget + ": " + w[j]);
-    if (w.size() > 3) {
-      out.warnings.push_back(pt.policy + "@" + pt.budget + ": ... and " + std::to_string(w.size() - 3) +
-                             " more layers with the same clamp");
-    }
+    if (i >= warn.size() || warn[i].empty()) continue;
+    // One line per point: the first clamp, and how many more layers had one.
+    std::string line = pt.policy + "@" + pt.budget + ": " + warn[i][0];
+    if (warn[i].size() > 1) line += " (and " + std::to_string(warn[i].size() - 1) + " more layers)";
+    out.warnings.push_back(line);
   }
   return out;
 }
