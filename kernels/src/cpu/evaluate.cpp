@@ -21,55 +21,16 @@
 #include <vector>
 
 #include "kvscope/kernels/nvtx.hpp"
+#include "row_math.hpp"
 
 namespace kvscope::kernels::cpu {
 namespace {
 
+using rowmath::exp_vec;
+using rowmath::set_blas_single_threaded;
+using rowmath::to_float;
+
 constexpr int kRowBlock = 64;  // query rows per work item
-
-// sgemm runs inside OpenMP parallel regions: OpenBLAS (pthread build) must not start
-// its own threads there. Process-wide, re-applied on every call.
-void set_blas_single_threaded() {
-  if (openblas_get_num_threads() != 1) openblas_set_num_threads(1);
-}
-
-// Vectorisable exp(x) (same as the attention statistics): Cody-Waite reduction and a
-// degree-6 polynomial, relative error below 2e-7 on [-87, 88]; 0 for x < -87.
-inline float exp_vec(float x) {
-  const float xc = std::min(x, 88.0f);
-  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float n = (xc * 1.44269504088896341f + magic) - magic;
-  const float r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = (p * r) * r + r + 1.0f;
-  const float pow2n = std::bit_cast<float>((static_cast<std::int32_t>(n) + 127) << 23);
-  return x < -87.0f ? 0.0f : y * pow2n;
-}
-
-void to_float(const void* src, DType t, std::size_t offset, std::size_t n, float* dst) {
-  if (t == DType::kF32) {
-    std::memcpy(dst, static_cast<const float*>(src) + offset, n * sizeof(float));
-    return;
-  }
-  const std::uint16_t* p = static_cast<const std::uint16_t*>(src) + offset;
-  if (t == DType::kF16) {
-    std::size_t i = 0;
-#if defined(__F16C__)
-    // Hardware conversion, exact like half_to_float (fp16 -> fp32 never rounds).
-    for (; i + 8 <= n; i += 8) {
-      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
-    }
-#endif
-    for (; i < n; ++i) dst[i] = half_to_float(p[i]);
-  } else {
-    for (std::size_t i = 0; i < n; ++i) dst[i] = bf16_to_float(p[i]);
-  }
-}
 
 // max of x[0, n), n >= 1, with 16 independent lanes, so that it vectorises.
 inline float row_max(const float* x, int n) {

@@ -1,0 +1,68 @@
+// Row primitives shared by the CPU attention kernels (attention statistics and
+// evaluation): single-threaded OpenBLAS inside OpenMP, a vectorisable exp, and
+// dtype -> float conversion. Internal to kernels/src/cpu; no I/O.
+#pragma once
+
+#include <cblas.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <bit>
+#include <cstdint>
+#include <cstring>
+
+#include "kvscope/kernels/common.hpp"
+
+namespace kvscope::kernels::cpu::rowmath {
+
+// The kernels call sgemm from inside OpenMP parallel regions: OpenBLAS (pthread
+// build) must not start its own threads there. Process-wide setting, re-applied on
+// every launcher call in case someone else raised it in between.
+inline void set_blas_single_threaded() {
+  if (openblas_get_num_threads() != 1) openblas_set_num_threads(1);
+}
+
+// exp(x) for a vectorisable loop (no libm call): Cody-Waite range reduction
+// x = n ln2 + r, a degree-6 polynomial for exp(r) on |r| <= ln2 / 2 and 2^n from the
+// exponent bits. Relative error below 2e-7 on [-87, 88]; exp(x) = 0 for x < -87
+// (including -inf, the masked logits), which is below fp32's normal range anyway.
+inline float exp_vec(float x) {
+  const float xc = std::min(x, 88.0f);
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float n = (xc * 1.44269504088896341f + magic) - magic;
+  const float r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = (p * r) * r + r + 1.0f;
+  const float pow2n = std::bit_cast<float>((static_cast<std::int32_t>(n) + 127) << 23);
+  return x < -87.0f ? 0.0f : y * pow2n;
+}
+
+// Converts elements [offset, offset + n) of a dtype tensor to float.
+inline void to_float(const void* src, DType t, std::size_t offset, std::size_t n, float* dst) {
+  if (t == DType::kF32) {
+    std::memcpy(dst, static_cast<const float*>(src) + offset, n * sizeof(float));
+    return;
+  }
+  const std::uint16_t* p = static_cast<const std::uint16_t*>(src) + offset;
+  if (t == DType::kF16) {
+    std::size_t i = 0;
+#if defined(__F16C__)
+    // Hardware conversion, exact like half_to_float (fp16 -> fp32 never rounds).
+    for (; i + 8 <= n; i += 8) {
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
+    }
+#endif
+    for (; i < n; ++i) dst[i] = half_to_float(p[i]);
+  } else {
+    for (std::size_t i = 0; i < n; ++i) dst[i] = bf16_to_float(p[i]);
+  }
+}
+
+}  // namespace kvscope::kernels::cpu::rowmath
