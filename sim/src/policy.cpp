@@ -335,9 +335,15 @@ E parse_enum(const std::string& v, const std::string& where, std::initializer_li
 void apply_parameter(PolicySpec& p, const std::string& key, const std::string& v, const std::string& where) {
   const std::string w = where + ": " + key;
   auto num = [&](double lo, double hi) { return parse_number(v, w, lo, hi); };
+  // Counts must be whole numbers: "sinks = 2.7" is a mistake, not 2.
+  auto whole = [&](double lo, double hi) {
+    const double x = parse_number(v, w, lo, hi);
+    if (x != std::floor(x)) throw PolicyError(w + ": '" + v + "' is not a whole number");
+    return x;
+  };
   if (key == "description") p.description = v;
-  else if (key == "sinks") p.sinks = static_cast<int>(num(0, 1e6));
-  else if (key == "recent") p.recent = static_cast<int>(num(0, 1e6));
+  else if (key == "sinks") p.sinks = static_cast<int>(whole(0, 1e6));
+  else if (key == "recent") p.recent = static_cast<int>(whole(0, 1e6));
   else if (key == "recent_fraction") p.recent_fraction = static_cast<float>(num(0, 1));
   else if (key == "shared_heads") p.shared_heads = parse_bool(v, w);
   else if (key == "scorer")
@@ -357,17 +363,17 @@ void apply_parameter(PolicySpec& p, const std::string& key, const std::string& v
     p.executor = parse_enum<ExecutorKind>(v, w, {{"evict", ExecutorKind::kEvict},
                                                  {"merge-evicted", ExecutorKind::kMergeEvicted},
                                                  {"unicache", ExecutorKind::kUniCache}});
-  else if (key == "snap_window") p.snapkv.window = static_cast<int>(num(1, 1e6));
+  else if (key == "snap_window") p.snapkv.window = static_cast<int>(whole(1, 1e6));
   else if (key == "snap_kernel") {
-    p.snapkv.kernel_size = static_cast<int>(num(1, 1001));
+    p.snapkv.kernel_size = static_cast<int>(whole(1, 1001));
     if (p.snapkv.kernel_size % 2 == 0) throw PolicyError(w + ": must be odd");
   } else if (key == "snap_pool")
     p.snapkv.pool = parse_enum<kernels::PoolKind>(v, w, {{"avg", kernels::PoolKind::kAvg}, {"max", kernels::PoolKind::kMax}});
-  else if (key == "fastv_layer") p.fastv_layer = static_cast<int>(num(0, 1e6));
+  else if (key == "fastv_layer") p.fastv_layer = static_cast<int>(whole(0, 1e6));
   else if (key == "hybrid_text_share") p.hybrid_text_share = static_cast<float>(num(0, 1));
   else if (key == "pyramid_spread") p.pyramid_spread = static_cast<float>(num(0, 1));
   else if (key == "merge_threshold") p.merge_threshold = static_cast<float>(num(-1, 1));
-  else if (key == "merge_window") p.merge_window = static_cast<int>(num(0, 1e6));
+  else if (key == "merge_window") p.merge_window = static_cast<int>(whole(0, 1e6));
   else if (key == "head_merge") p.head_merge = parse_bool(v, w);
   else if (key == "head_merge_threshold") p.head_merge_threshold = static_cast<float>(num(-1, 1));
   else if (key == "quant") {
@@ -382,7 +388,7 @@ void apply_parameter(PolicySpec& p, const std::string& key, const std::string& v
     }
   } else if (key == "proportional_attention") p.proportional_attention = parse_bool(v, w);
   else if (key == "adaptive") p.adaptive = parse_bool(v, w);
-  else if (key == "seed") p.seed = static_cast<std::uint64_t>(num(0, 1.8e19));
+  else if (key == "seed") p.seed = static_cast<std::uint64_t>(whole(0, 1.8e19));
   else if (key == "unicache.w_a") p.unicache.w_a = static_cast<float>(num(0, 10));
   else if (key == "unicache.w_c") p.unicache.w_c = static_cast<float>(num(0, 10));
   else if (key == "unicache.w_d") p.unicache.w_d = static_cast<float>(num(0, 10));
@@ -429,6 +435,15 @@ void PolicyRegistry::load_ini(const std::string& path) {
       std::string name = trim(inner.substr(6));
       if (name.empty() || name.find_first_of("+@, \t") != std::string::npos) {
         throw PolicyError(where + ": policy name '" + name + "' must be non-empty without '+', '@', ',' or spaces");
+      }
+      if (name.rfind("adaptive-", 0) == 0) {
+        throw PolicyError(where + ": policy name '" + name + "' must not start with 'adaptive-' (that prefix wraps a policy)");
+      }
+      if (specs_.count(name)) {
+        throw PolicyError(where + ": [policy " + name + "] redefines an existing policy; choose another name");
+      }
+      for (const auto& other : sections) {
+        if (other.name == name) throw PolicyError(where + ": [policy " + name + "] is defined twice in this file");
       }
       sections.push_back({name, n, {}});
       continue;

@@ -251,6 +251,10 @@ TEST(Policies, IniPoliciesBuildFromStagesAndRejectMistakes) {
   expect_error("[policy a]\nbase = nope\n", "unknown policy 'nope'");
   expect_error("sinks = 4\n", "before any [policy NAME] section");
   expect_error("[strategy a]\n", "section must be [policy NAME]");
+  expect_error("[policy a]\nbase = h2o\nsinks = 2.7\n", "'2.7' is not a whole number");
+  expect_error("[policy h2o]\nbase = snapkv\n", "redefines an existing policy");
+  expect_error("[policy adaptive-x]\nbase = h2o\n", "must not start with 'adaptive-'");
+  expect_error("[policy a]\nbase = h2o\n[policy a]\nbase = tova\n", "defined twice");
 }
 
 TEST(Policies, TraceWithoutDecodeQueriesIsRejected) {
