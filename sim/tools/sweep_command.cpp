@@ -52,8 +52,8 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
   const std::string usage =
       sweep ? "kvsim sweep --trace FILE [--policies a,b,...] [--budgets 0.1:0.9:0.1,512tok,64MiB] [-o results.h5] "
               "[--csv results.csv]\n\n"
-              "Replays the trace through every policy at every budget, one layer at a time (memory stays\n"
-              "bounded by one layer), and prints memory and quality per point with the Pareto front of\n"
+              "Replays the trace through every policy at every budget, one layer at a time (one layer's\n"
+              "tensors and statistics in memory), and prints memory and quality per point with the Pareto front of\n"
               "memory vs output error and the collapse flags. Per-layer statistics (attention scores,\n"
               "key norms, redundancy) are computed once and shared by all policies.\n\nOptions"
             : "kvsim run --trace FILE --policy NAME[@BUDGET] [-o results.h5] [--csv results.csv]\n\n"
@@ -79,8 +79,8 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
       "threads", po::value<int>()->default_value(0), "CPU threads for the kernels (0 = all cores)")(
       "layers", "also print the per-layer table of each point")(
       "explain", "print the evidence and suggested fix of every collapse flag (default: Pareto points only)")(
-      "blind-recall", po::value<double>()->default_value(0.5), "visual blindness: vision recall threshold")(
-      "kl-threshold", po::value<double>()->default_value(0.1), "over-compression: KL threshold in the last layers")(
+      "blind-recall", po::value<double>()->default_value(0.5, "0.5"), "visual blindness: vision recall threshold")(
+      "kl-threshold", po::value<double>()->default_value(0.1, "0.1"), "over-compression: KL threshold in the last layers")(
       "quiet,q", "no progress bar");
   po::variables_map vm;
   const std::string name = "kvsim " + command;
