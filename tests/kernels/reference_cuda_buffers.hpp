@@ -1,5 +1,5 @@
-// Device buffers for the k2 CUDA suites (attention_stats, scores, select):
-// upload a host vector, download into a host vector, free on scope exit.
+// Device buffers for the CUDA test suites: upload a host vector, download into a
+// host vector (after synchronising the device), free on scope exit.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -22,6 +22,7 @@ class DeviceArray {
   DeviceArray(const DeviceArray&) = delete;
   DeviceArray& operator=(const DeviceArray&) = delete;
   T* get() const { return static_cast<T*>(p_); }
+  std::size_t size() const { return n_; }
   std::vector<T> download() const {
     std::vector<T> h(n_);
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);

@@ -10,6 +10,7 @@
 
 #include "common/gpu.hpp"
 #include "common/test_util.hpp"
+#include "kernels/reference_cuda_buffers.hpp"
 #include "kernels/reference_evaluate.hpp"
 #include "kvscope/kernels/evaluate.hpp"
 #include "kvscope/kernels/evaluate_cuda.hpp"
@@ -22,24 +23,7 @@ using kvscope::testing::make_eval_problem;
 namespace {
 
 template <typename T>
-struct DeviceVector {
-  T* ptr = nullptr;
-  std::size_t n = 0;
-  explicit DeviceVector(std::size_t count) : n(count) {
-    EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&ptr), sizeof(T) * (n ? n : 1)), cudaSuccess);
-  }
-  explicit DeviceVector(const std::vector<T>& h) : DeviceVector(h.size()) {
-    EXPECT_EQ(cudaMemcpy(ptr, h.data(), sizeof(T) * n, cudaMemcpyHostToDevice), cudaSuccess);
-  }
-  ~DeviceVector() { cudaFree(ptr); }
-  DeviceVector(const DeviceVector&) = delete;
-  DeviceVector& operator=(const DeviceVector&) = delete;
-  std::vector<T> host() const {
-    std::vector<T> h(n);
-    EXPECT_EQ(cudaMemcpy(h.data(), ptr, sizeof(T) * n, cudaMemcpyDeviceToHost), cudaSuccess);
-    return h;
-  }
-};
+using DeviceVector = kvscope::testing::DeviceArray<T>;
 
 struct Outputs {
   std::vector<float> v[7];
@@ -62,25 +46,25 @@ kk::Status compare(const EvalProblem& pr, const void* q, const void* k, const vo
   KVSCOPE_RETURN_IF_ERROR(
       kk::cpu::evaluate_attention(p, q, k, v, pr.modality.data(), pr.cache(), cpu.ptrs()));
   DeviceVector<std::uint8_t> dq(rows * p.head_dim * eb), dk(pr.k.size() * eb), dv(pr.v.size() * eb);
-  EXPECT_EQ(cudaMemcpy(dq.ptr, q, dq.n, cudaMemcpyHostToDevice), cudaSuccess);
-  EXPECT_EQ(cudaMemcpy(dk.ptr, k, dk.n, cudaMemcpyHostToDevice), cudaSuccess);
-  EXPECT_EQ(cudaMemcpy(dv.ptr, v, dv.n, cudaMemcpyHostToDevice), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(dq.get(), q, dq.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(dk.get(), k, dk.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(dv.get(), v, dv.size(), cudaMemcpyHostToDevice), cudaSuccess);
   DeviceVector<std::uint8_t> dmod(pr.modality), dsmod(pr.slot_modality);
   DeviceVector<float> dsk(pr.slot_k), dsv(pr.slot_v), dmf(pr.mult_f32);
   DeviceVector<std::int32_t> doff(pr.offsets), dmi(pr.mult_i32), dmap(pr.token_to_slot);
   kk::CompressedCache c;
-  c.k = dsk.ptr;
-  c.v = dsv.ptr;
-  c.slot_offsets = doff.ptr;
-  c.multiplicity_f32 = pr.mult_f32.empty() ? nullptr : dmf.ptr;
-  c.multiplicity_i32 = pr.mult_i32.empty() ? nullptr : dmi.ptr;
-  c.slot_modality = dsmod.ptr;
-  c.token_to_slot = dmap.ptr;
+  c.k = dsk.get();
+  c.v = dsv.get();
+  c.slot_offsets = doff.get();
+  c.multiplicity_f32 = pr.mult_f32.empty() ? nullptr : dmf.get();
+  c.multiplicity_i32 = pr.mult_i32.empty() ? nullptr : dmi.get();
+  c.slot_modality = dsmod.get();
+  c.token_to_slot = dmap.get();
   std::vector<DeviceVector<float>*> dout;
   for (int i = 0; i < 7; ++i) dout.push_back(new DeviceVector<float>(cpu.v[i].size()));
-  const kk::EvaluateOutputs o{dout[0]->ptr, dout[1]->ptr, dout[2]->ptr, dout[3]->ptr,
-                              dout[4]->ptr, dout[5]->ptr, dout[6]->ptr};
-  const kk::Status s = kk::cuda::evaluate_attention(p, dq.ptr, dk.ptr, dv.ptr, dmod.ptr, c, o, nullptr);
+  const kk::EvaluateOutputs o{dout[0]->get(), dout[1]->get(), dout[2]->get(), dout[3]->get(),
+                              dout[4]->get(), dout[5]->get(), dout[6]->get()};
+  const kk::Status s = kk::cuda::evaluate_attention(p, dq.get(), dk.get(), dv.get(), dmod.get(), c, o, nullptr);
   if (s.ok()) {
     const std::string what = "Hq=" + std::to_string(p.num_q_heads) +
                              " Hkv=" + std::to_string(p.num_kv_heads) +
@@ -88,7 +72,7 @@ kk::Status compare(const EvalProblem& pr, const void* q, const void* k, const vo
                              " D=" + std::to_string(p.head_dim) + " dtype=" + kk::dtype_name(p.dtype);
     // float tree reductions on the GPU vs double row sums on the CPU
     for (int i = 0; i < 7; ++i)
-      EXPECT_TRUE(all_close(dout[i]->host(), cpu.v[i], 2e-5, 1e-4, what + " " + kNames[i]));
+      EXPECT_TRUE(all_close(dout[i]->download(), cpu.v[i], 2e-5, 1e-4, what + " " + kNames[i]));
   }
   for (auto* d : dout) delete d;
   return s;
@@ -146,23 +130,23 @@ TEST(EvaluateCuda, RejectsBadDeviceData) {
   DeviceVector<std::uint8_t> dmod(pr.modality), dsmod(pr.slot_modality);
   DeviceVector<std::int32_t> doff(pr.offsets), dmap(pr.token_to_slot);
   kk::CompressedCache c;
-  c.k = dsk.ptr;
-  c.v = dsv.ptr;
-  c.slot_offsets = doff.ptr;
-  c.multiplicity_f32 = dmf.ptr;
-  c.slot_modality = dsmod.ptr;
-  c.token_to_slot = dmap.ptr;
+  c.k = dsk.get();
+  c.v = dsv.get();
+  c.slot_offsets = doff.get();
+  c.multiplicity_f32 = dmf.get();
+  c.slot_modality = dsmod.get();
+  c.token_to_slot = dmap.get();
   kk::EvaluateOutputs o;
-  o.recall = out.ptr;
-  EXPECT_FALSE(kk::cuda::evaluate_attention(pr.params, dq.ptr, dk.ptr, dv.ptr, dmod.ptr, c, o, nullptr).ok());
+  o.recall = out.get();
+  EXPECT_FALSE(kk::cuda::evaluate_attention(pr.params, dq.get(), dk.get(), dv.get(), dmod.get(), c, o, nullptr).ok());
   pr.token_to_slot[3] = -1;
   DeviceVector<std::int32_t> dmap_ok(pr.token_to_slot);
-  c.token_to_slot = dmap_ok.ptr;
-  EXPECT_TRUE(kk::cuda::evaluate_attention(pr.params, dq.ptr, dk.ptr, dv.ptr, dmod.ptr, c, o, nullptr).ok());
+  c.token_to_slot = dmap_ok.get();
+  EXPECT_TRUE(kk::cuda::evaluate_attention(pr.params, dq.get(), dk.get(), dv.get(), dmod.get(), c, o, nullptr).ok());
   pr.mult_f32[0] = -1.0f;
   DeviceVector<float> dmf_bad(pr.mult_f32);
-  c.multiplicity_f32 = dmf_bad.ptr;
-  EXPECT_FALSE(kk::cuda::evaluate_attention(pr.params, dq.ptr, dk.ptr, dv.ptr, dmod.ptr, c, o, nullptr).ok());
+  c.multiplicity_f32 = dmf_bad.get();
+  EXPECT_FALSE(kk::cuda::evaluate_attention(pr.params, dq.get(), dk.get(), dv.get(), dmod.get(), c, o, nullptr).ok());
 }
 
 // cuda::full_attention and the FullAttention overload against the CPU backend: the
@@ -187,17 +171,17 @@ TEST(EvaluateCuda, FullAttentionMatchesCpu) {
     DeviceVector<std::uint8_t> dmod(pr.modality);
     DeviceVector<float> dprobs(probs.size()), doutput(output.size()), dentropy(entropy.size()),
         dmass(mass.size());
-    const kk::FullAttention dev_full{dprobs.ptr, doutput.ptr, dentropy.ptr, dmass.ptr};
-    kk::Status s = kk::cuda::full_attention(p, dq.ptr, dk.ptr, dv.ptr, dmod.ptr, dev_full, nullptr);
+    const kk::FullAttention dev_full{dprobs.get(), doutput.get(), dentropy.get(), dmass.get()};
+    kk::Status s = kk::cuda::full_attention(p, dq.get(), dk.get(), dv.get(), dmod.get(), dev_full, nullptr);
     ASSERT_TRUE(s.ok()) << s.message();
     const std::string what = "Hq=" + std::to_string(p.num_q_heads) +
                              " Hkv=" + std::to_string(p.num_kv_heads) +
                              " Nq=" + std::to_string(p.num_queries) + " T=" + std::to_string(p.num_tokens) +
                              " D=" + std::to_string(p.head_dim);
-    EXPECT_TRUE(all_close(dprobs.host(), probs, 1e-7, 1e-4, what + " probs"));
-    EXPECT_TRUE(all_close(doutput.host(), output, 2e-6, 1e-4, what + " output"));
-    EXPECT_TRUE(all_close(dentropy.host(), entropy, 2e-5, 1e-4, what + " entropy"));
-    EXPECT_TRUE(all_close(dmass.host(), mass, 2e-6, 1e-4, what + " modality_mass"));
+    EXPECT_TRUE(all_close(dprobs.download(), probs, 1e-7, 1e-4, what + " probs"));
+    EXPECT_TRUE(all_close(doutput.download(), output, 2e-6, 1e-4, what + " output"));
+    EXPECT_TRUE(all_close(dentropy.download(), entropy, 2e-5, 1e-4, what + " entropy"));
+    EXPECT_TRUE(all_close(dmass.download(), mass, 2e-6, 1e-4, what + " modality_mass"));
 
     for (int variant = 0; variant < 2; ++variant) {
       EvalProblem c = make_eval_problem(sh.Hq, sh.Hkv, sh.Nq, sh.T, sh.D, seed++, variant == 1, 0.3f);
@@ -209,22 +193,22 @@ TEST(EvaluateCuda, FullAttentionMatchesCpu) {
       DeviceVector<float> dsk(c.slot_k), dsv(c.slot_v), dmf(c.mult_f32);
       DeviceVector<std::int32_t> doff(c.offsets), dmi(c.mult_i32), dmap(c.token_to_slot);
       kk::CompressedCache dc;
-      dc.k = dsk.ptr;
-      dc.v = dsv.ptr;
-      dc.slot_offsets = doff.ptr;
-      dc.multiplicity_f32 = c.mult_f32.empty() ? nullptr : dmf.ptr;
-      dc.multiplicity_i32 = c.mult_i32.empty() ? nullptr : dmi.ptr;
-      dc.slot_modality = dsmod.ptr;
-      dc.token_to_slot = dmap.ptr;
+      dc.k = dsk.get();
+      dc.v = dsv.get();
+      dc.slot_offsets = doff.get();
+      dc.multiplicity_f32 = c.mult_f32.empty() ? nullptr : dmf.get();
+      dc.multiplicity_i32 = c.mult_i32.empty() ? nullptr : dmi.get();
+      dc.slot_modality = dsmod.get();
+      dc.token_to_slot = dmap.get();
       std::vector<DeviceVector<float>*> dout;
       for (int i = 0; i < 7; ++i) dout.push_back(new DeviceVector<float>(cpu.v[i].size()));
-      const kk::EvaluateOutputs o{dout[0]->ptr, dout[1]->ptr, dout[2]->ptr, dout[3]->ptr,
-                                  dout[4]->ptr, dout[5]->ptr, dout[6]->ptr};
-      s = kk::cuda::evaluate_attention(p, dq.ptr, dmod.ptr, dev_full, dc, o, nullptr);
+      const kk::EvaluateOutputs o{dout[0]->get(), dout[1]->get(), dout[2]->get(), dout[3]->get(),
+                                  dout[4]->get(), dout[5]->get(), dout[6]->get()};
+      s = kk::cuda::evaluate_attention(p, dq.get(), dmod.get(), dev_full, dc, o, nullptr);
       EXPECT_TRUE(s.ok()) << s.message();
       if (s.ok()) {
         for (int i = 0; i < 7; ++i)
-          EXPECT_TRUE(all_close(dout[i]->host(), cpu.v[i], 2e-5, 1e-4,
+          EXPECT_TRUE(all_close(dout[i]->download(), cpu.v[i], 2e-5, 1e-4,
                                 what + " variant " + std::to_string(variant) + " " + kNames[i]));
       }
       for (auto* d : dout) delete d;

@@ -9,6 +9,7 @@
 
 #include "common/gpu.hpp"
 #include "common/test_util.hpp"
+#include "kernels/reference_cuda_buffers.hpp"
 #include "kvscope/kernels/head_merge.hpp"
 #include "kvscope/kernels/head_merge_cuda.hpp"
 
@@ -20,24 +21,7 @@ using kvscope::testing::random_uniform;
 namespace {
 
 template <typename T>
-struct DeviceVector {
-  T* ptr = nullptr;
-  std::size_t n = 0;
-  explicit DeviceVector(std::size_t count) : n(count) {
-    EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&ptr), sizeof(T) * (n ? n : 1)), cudaSuccess);
-  }
-  explicit DeviceVector(const std::vector<T>& h) : DeviceVector(h.size()) {
-    EXPECT_EQ(cudaMemcpy(ptr, h.data(), sizeof(T) * n, cudaMemcpyHostToDevice), cudaSuccess);
-  }
-  ~DeviceVector() { cudaFree(ptr); }
-  DeviceVector(const DeviceVector&) = delete;
-  DeviceVector& operator=(const DeviceVector&) = delete;
-  std::vector<T> host() const {
-    std::vector<T> h(n);
-    EXPECT_EQ(cudaMemcpy(h.data(), ptr, sizeof(T) * n, cudaMemcpyDeviceToHost), cudaSuccess);
-    return h;
-  }
-};
+using DeviceVector = kvscope::testing::DeviceArray<T>;
 
 // Heads from a few prototypes plus noise: similarities are ~0.99 or ~0, far from 0.88.
 void make_heads(int H, std::size_t n, std::uint64_t seed, std::vector<float>& k, std::vector<float>& v) {
@@ -92,22 +76,22 @@ TEST(HeadMergeCuda, MatchesCpu) {
                                          vo.data(), qmap.data())
                         .ok());
         DeviceVector<std::uint8_t> dk(bytes), dv(bytes);
-        ASSERT_EQ(cudaMemcpy(dk.ptr, k, bytes, cudaMemcpyHostToDevice), cudaSuccess);
-        ASSERT_EQ(cudaMemcpy(dv.ptr, v, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(dk.get(), k, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(dv.get(), v, bytes, cudaMemcpyHostToDevice), cudaSuccess);
         DeviceVector<float> dw(w), dsim(H * H), dko(H * n), dvo(H * n);
         DeviceVector<std::int32_t> dcid(H), dqmap(sh.Hq);
         int dmerged = -1;
-        const kk::Status s = kk::cuda::merge_heads(p, dk.ptr, dv.ptr, dw.ptr, dsim.ptr, dcid.ptr, &dmerged,
-                                                   dko.ptr, dvo.ptr, dqmap.ptr, nullptr);
+        const kk::Status s = kk::cuda::merge_heads(p, dk.get(), dv.get(), dw.get(), dsim.get(), dcid.get(), &dmerged,
+                                                   dko.get(), dvo.get(), dqmap.get(), nullptr);
         ASSERT_TRUE(s.ok()) << s.message();
         const std::string what =
             "H=" + std::to_string(H) + " T=" + std::to_string(sh.T) + " D=" + std::to_string(sh.D) +
             " mode=" + std::to_string(static_cast<int>(mode)) + " dtype=" + kk::dtype_name(dt);
-        EXPECT_TRUE(all_close(dsim.host(), sim, 1e-5, 1e-5, what + " similarity"));
+        EXPECT_TRUE(all_close(dsim.download(), sim, 1e-5, 1e-5, what + " similarity"));
         EXPECT_EQ(dmerged, merged) << what;
-        EXPECT_EQ(dcid.host(), cid) << what;
-        EXPECT_EQ(dqmap.host(), qmap) << what;
-        auto gk = dko.host(), gv = dvo.host();
+        EXPECT_EQ(dcid.download(), cid) << what;
+        EXPECT_EQ(dqmap.download(), qmap) << what;
+        auto gk = dko.download(), gv = dvo.download();
         gk.resize(merged * n);
         gv.resize(merged * n);
         ko.resize(merged * n);
@@ -129,10 +113,10 @@ TEST(HeadMergeCuda, RejectsBadArguments) {
   DeviceVector<float> k(80), v(80), sim(16), ko(80), vo(80);
   DeviceVector<std::int32_t> cid(4), qmap(8);
   int merged = 0;
-  EXPECT_FALSE(kk::cuda::merge_heads(p, k.ptr, v.ptr, nullptr, sim.ptr, cid.ptr, &merged, ko.ptr, vo.ptr,
-                                     qmap.ptr, nullptr)
+  EXPECT_FALSE(kk::cuda::merge_heads(p, k.get(), v.get(), nullptr, sim.get(), cid.get(), &merged, ko.get(), vo.get(),
+                                     qmap.get(), nullptr)
                    .ok());
   DeviceVector<std::int32_t> bad(std::vector<std::int32_t>{0, 0, 2, 2});  // cluster 1 empty
   EXPECT_FALSE(
-      kk::cuda::apply_head_merge(p, k.ptr, v.ptr, bad.ptr, 3, nullptr, ko.ptr, vo.ptr, nullptr).ok());
+      kk::cuda::apply_head_merge(p, k.get(), v.get(), bad.get(), 3, nullptr, ko.get(), vo.get(), nullptr).ok());
 }

@@ -9,6 +9,7 @@
 
 #include "common/gpu.hpp"
 #include "common/test_util.hpp"
+#include "kernels/reference_cuda_buffers.hpp"
 #include "kernels/reference_merge.hpp"
 #include "kvscope/kernels/merge.hpp"
 #include "kvscope/kernels/merge_cuda.hpp"
@@ -21,24 +22,7 @@ using kvscope::testing::MergeProblem;
 namespace {
 
 template <typename T>
-struct DeviceVector {
-  T* ptr = nullptr;
-  std::size_t n = 0;
-  explicit DeviceVector(std::size_t count) : n(count) {
-    EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&ptr), sizeof(T) * (n ? n : 1)), cudaSuccess);
-  }
-  explicit DeviceVector(const std::vector<T>& h) : DeviceVector(h.size()) {
-    EXPECT_EQ(cudaMemcpy(ptr, h.data(), sizeof(T) * n, cudaMemcpyHostToDevice), cudaSuccess);
-  }
-  ~DeviceVector() { cudaFree(ptr); }
-  DeviceVector(const DeviceVector&) = delete;
-  DeviceVector& operator=(const DeviceVector&) = delete;
-  std::vector<T> host() const {
-    std::vector<T> h(n);
-    EXPECT_EQ(cudaMemcpy(h.data(), ptr, sizeof(T) * n, cudaMemcpyDeviceToHost), cudaSuccess);
-    return h;
-  }
-};
+using DeviceVector = kvscope::testing::DeviceArray<T>;
 
 void compare(const MergeProblem& pr, const void* k, const void* v, std::size_t elem_bytes,
              bool with_importance) {
@@ -50,13 +34,13 @@ void compare(const MergeProblem& pr, const void* k, const void* v, std::size_t e
   ASSERT_TRUE(
       kk::cpu::merge_tokens(p, k, v, pr.kept.data(), imp, ck.data(), cv.data(), cm.data(), cmap.data()).ok());
   DeviceVector<std::uint8_t> dk(H * T * D * elem_bytes), dv(H * T * D * elem_bytes);
-  ASSERT_EQ(cudaMemcpy(dk.ptr, k, dk.n, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(dv.ptr, v, dv.n, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dk.get(), k, dk.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dv.get(), v, dv.size(), cudaMemcpyHostToDevice), cudaSuccess);
   DeviceVector<std::int32_t> dkept(pr.kept), dm(H * K), dmap(H * T);
   DeviceVector<float> dimp(pr.importance), dko(H * K * D), dvo(H * K * D);
   const kk::Status s =
-      kk::cuda::merge_tokens(p, dk.ptr, dv.ptr, dkept.ptr, with_importance ? dimp.ptr : nullptr, dko.ptr,
-                             dvo.ptr, dm.ptr, dmap.ptr, nullptr);
+      kk::cuda::merge_tokens(p, dk.get(), dv.get(), dkept.get(), with_importance ? dimp.get() : nullptr, dko.get(),
+                             dvo.get(), dm.get(), dmap.get(), nullptr);
   ASSERT_TRUE(s.ok()) << s.message();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::string what = "H=" + std::to_string(H) + " T=" + std::to_string(T) + " D=" + std::to_string(D) +
@@ -64,10 +48,10 @@ void compare(const MergeProblem& pr, const void* k, const void* v, std::size_t e
                            " dtype=" + kk::dtype_name(p.dtype);
   // Similarities are well separated from the threshold in these problems, so the
   // integer outputs must agree exactly.
-  EXPECT_EQ(dmap.host(), cmap) << what;
-  EXPECT_EQ(dm.host(), cm) << what;
-  EXPECT_TRUE(all_close(dko.host(), ck, 1e-5, 1e-5, what + " k_out"));
-  EXPECT_TRUE(all_close(dvo.host(), cv, 1e-5, 1e-5, what + " v_out"));
+  EXPECT_EQ(dmap.download(), cmap) << what;
+  EXPECT_EQ(dm.download(), cm) << what;
+  EXPECT_TRUE(all_close(dko.download(), ck, 1e-5, 1e-5, what + " k_out"));
+  EXPECT_TRUE(all_close(dvo.download(), cv, 1e-5, 1e-5, what + " v_out"));
 }
 
 }  // namespace
@@ -111,12 +95,12 @@ TEST(MergeCuda, RejectsBadKeptList) {
   pr.kept[1] = pr.kept[0];
   DeviceVector<float> dk(pr.k), dv(pr.v), dko(24), dvo(24);
   DeviceVector<std::int32_t> dkept(pr.kept), dm(6), dmap(20);
-  EXPECT_FALSE(kk::cuda::merge_tokens(pr.params, dk.ptr, dv.ptr, dkept.ptr, nullptr, dko.ptr, dvo.ptr, dm.ptr,
-                                      dmap.ptr, nullptr)
+  EXPECT_FALSE(kk::cuda::merge_tokens(pr.params, dk.get(), dv.get(), dkept.get(), nullptr, dko.get(), dvo.get(), dm.get(),
+                                      dmap.get(), nullptr)
                    .ok());
   kk::MergeParams p = pr.params;
   p.num_kept = 0;
-  EXPECT_FALSE(kk::cuda::merge_tokens(p, dk.ptr, dv.ptr, dkept.ptr, nullptr, dko.ptr, dvo.ptr, dm.ptr,
-                                      dmap.ptr, nullptr)
+  EXPECT_FALSE(kk::cuda::merge_tokens(p, dk.get(), dv.get(), dkept.get(), nullptr, dko.get(), dvo.get(), dm.get(),
+                                      dmap.get(), nullptr)
                    .ok());
 }
