@@ -288,4 +288,41 @@ void read_tensor_slab(const Ctx& c, hid_t file, const std::string& path, DType d
   c.check(H5Dread(d, memory_type_of(dtype), ms, fs, H5P_DEFAULT, out), path, "H5Dread (truncated or corrupt data?)");
 }
 
+namespace {
+Handle utf8_string_type(const Ctx& c) {
+  Handle str = c.check_id(H5Tcopy(H5T_C_S1), H5Tclose, "/profile", "H5Tcopy");
+  H5Tset_size(str, H5T_VARIABLE);
+  H5Tset_cset(str, H5T_CSET_UTF8);
+  return str;
+}
+}  // namespace
+
+Handle kernel_row_type(const Ctx& c) {
+  Handle str = utf8_string_type(c);
+  const hsize_t three = 3;
+  Handle i32x3 = c.check_id(H5Tarray_create2(H5T_NATIVE_INT32, 1, &three), H5Tclose, "/profile", "H5Tarray_create2");
+  Handle t = c.check_id(H5Tcreate(H5T_COMPOUND, sizeof(KernelRow)), H5Tclose, "/profile/kernels", "H5Tcreate");
+  H5Tinsert(t, "name", HOFFSET(KernelRow, name), str);
+  H5Tinsert(t, "kind", HOFFSET(KernelRow, kind), str);
+  H5Tinsert(t, "start_ns", HOFFSET(KernelRow, start_ns), H5T_NATIVE_INT64);
+  H5Tinsert(t, "end_ns", HOFFSET(KernelRow, end_ns), H5T_NATIVE_INT64);
+  H5Tinsert(t, "stream", HOFFSET(KernelRow, stream), H5T_NATIVE_INT64);
+  H5Tinsert(t, "bytes", HOFFSET(KernelRow, bytes), H5T_NATIVE_INT64);
+  H5Tinsert(t, "device", HOFFSET(KernelRow, device), H5T_NATIVE_INT32);
+  H5Tinsert(t, "grid", HOFFSET(KernelRow, grid), i32x3);
+  H5Tinsert(t, "block", HOFFSET(KernelRow, block), i32x3);
+  return t;
+}
+
+Handle range_row_type(const Ctx& c) {
+  Handle str = utf8_string_type(c);
+  Handle t = c.check_id(H5Tcreate(H5T_COMPOUND, sizeof(RangeRow)), H5Tclose, "/profile/ranges", "H5Tcreate");
+  H5Tinsert(t, "name", HOFFSET(RangeRow, name), str);
+  H5Tinsert(t, "start_ns", HOFFSET(RangeRow, start_ns), H5T_NATIVE_INT64);
+  H5Tinsert(t, "end_ns", HOFFSET(RangeRow, end_ns), H5T_NATIVE_INT64);
+  H5Tinsert(t, "thread", HOFFSET(RangeRow, thread), H5T_NATIVE_INT64);
+  H5Tinsert(t, "depth", HOFFSET(RangeRow, depth), H5T_NATIVE_INT32);
+  return t;
+}
+
 }  // namespace kvscope::trace::h5

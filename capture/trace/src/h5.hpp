@@ -95,4 +95,23 @@ std::vector<std::uint8_t> read_u8(const Ctx& c, hid_t file, const std::string& p
 void read_tensor_slab(const Ctx& c, hid_t file, const std::string& path, DType dtype,
                       const std::vector<hsize_t>& start, const std::vector<hsize_t>& count, void* out);
 
+// In-memory rows of the /profile compound datasets, shared by writer and reader.
+// Strings are variable-length (HDF5 only reads them when writing, allocates them when reading).
+struct KernelRow {
+  char* name;
+  char* kind;
+  std::int64_t start_ns, end_ns, stream, bytes;
+  std::int32_t device;
+  std::int32_t grid[3];
+  std::int32_t block[3];
+};
+struct RangeRow {
+  char* name;
+  std::int64_t start_ns, end_ns, thread;
+  std::int32_t depth;
+};
+// Compound HDF5 types of those rows (members named as in docs/trace-format.md).
+Handle kernel_row_type(const Ctx& c);
+Handle range_row_type(const Ctx& c);
+
 }  // namespace kvscope::trace::h5

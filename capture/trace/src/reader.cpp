@@ -321,31 +321,10 @@ std::optional<LayerAggregates> TraceReader::read_aggregates(int layer) const {
   return a;
 }
 
-namespace {
-struct KernelRowIn {
-  char* name;
-  char* kind;
-  std::int64_t start_ns, end_ns, stream, bytes;
-  std::int32_t device;
-  std::int32_t grid[3];
-  std::int32_t block[3];
-};
-struct RangeRowIn {
-  char* name;
-  std::int64_t start_ns, end_ns, thread;
-  std::int32_t depth;
-};
-}  // namespace
-
 Profile TraceReader::read_profile() const {
   const Impl& m = *impl_;
   const h5::Ctx& c = m.ctx;
   Profile p;
-  Handle str = c.check_id(H5Tcopy(H5T_C_S1), H5Tclose, "/profile", "H5Tcopy");
-  H5Tset_size(str, H5T_VARIABLE);
-  H5Tset_cset(str, H5T_CSET_UTF8);
-  const hsize_t three = 3;
-  Handle i32x3 = c.check_id(H5Tarray_create2(H5T_NATIVE_INT32, 1, &three), H5Tclose, "/profile", "H5Tarray_create2");
   // Members are matched by name, so files with fewer members or another order still read.
   auto read_compound = [&](const char* path, hid_t mtype, auto& rows) {
     if (!h5::exists(m.file, path)) return;
@@ -359,17 +338,8 @@ Profile TraceReader::read_profile() const {
     std::memset(static_cast<void*>(rows.data()), 0, rows.size() * sizeof(rows[0]));
     c.check(H5Dread(d, mtype, H5S_ALL, H5S_ALL, H5P_DEFAULT, rows.data()), path, "H5Dread");
   };
-  Handle kt = c.check_id(H5Tcreate(H5T_COMPOUND, sizeof(KernelRowIn)), H5Tclose, "/profile/kernels", "H5Tcreate");
-  H5Tinsert(kt, "name", HOFFSET(KernelRowIn, name), str);
-  H5Tinsert(kt, "kind", HOFFSET(KernelRowIn, kind), str);
-  H5Tinsert(kt, "start_ns", HOFFSET(KernelRowIn, start_ns), H5T_NATIVE_INT64);
-  H5Tinsert(kt, "end_ns", HOFFSET(KernelRowIn, end_ns), H5T_NATIVE_INT64);
-  H5Tinsert(kt, "stream", HOFFSET(KernelRowIn, stream), H5T_NATIVE_INT64);
-  H5Tinsert(kt, "bytes", HOFFSET(KernelRowIn, bytes), H5T_NATIVE_INT64);
-  H5Tinsert(kt, "device", HOFFSET(KernelRowIn, device), H5T_NATIVE_INT32);
-  H5Tinsert(kt, "grid", HOFFSET(KernelRowIn, grid), i32x3);
-  H5Tinsert(kt, "block", HOFFSET(KernelRowIn, block), i32x3);
-  std::vector<KernelRowIn> krows;
+  Handle kt = h5::kernel_row_type(c);
+  std::vector<h5::KernelRow> krows;
   read_compound("/profile/kernels", kt, krows);
   for (const auto& r : krows) {
     KernelRecord k;
@@ -388,13 +358,8 @@ Profile TraceReader::read_profile() const {
     H5free_memory(r.name);
     H5free_memory(r.kind);
   }
-  Handle rt = c.check_id(H5Tcreate(H5T_COMPOUND, sizeof(RangeRowIn)), H5Tclose, "/profile/ranges", "H5Tcreate");
-  H5Tinsert(rt, "name", HOFFSET(RangeRowIn, name), str);
-  H5Tinsert(rt, "start_ns", HOFFSET(RangeRowIn, start_ns), H5T_NATIVE_INT64);
-  H5Tinsert(rt, "end_ns", HOFFSET(RangeRowIn, end_ns), H5T_NATIVE_INT64);
-  H5Tinsert(rt, "thread", HOFFSET(RangeRowIn, thread), H5T_NATIVE_INT64);
-  H5Tinsert(rt, "depth", HOFFSET(RangeRowIn, depth), H5T_NATIVE_INT32);
-  std::vector<RangeRowIn> rrows;
+  Handle rt = h5::range_row_type(c);
+  std::vector<h5::RangeRow> rrows;
   read_compound("/profile/ranges", rt, rrows);
   for (const auto& r : rrows) {
     p.ranges.push_back(RangeRecord{r.name ? r.name : "", r.start_ns, r.end_ns, r.depth, r.thread});

@@ -267,62 +267,25 @@ void TraceWriter::write_decode_tokens(const std::vector<std::int32_t>& token_id,
   m.decode_tokens_written = true;
 }
 
-namespace {
-// In-memory layouts of the /profile compound records.
-struct KernelRow {
-  const char* name;
-  const char* kind;
-  std::int64_t start_ns, end_ns, stream, bytes;
-  std::int32_t device;
-  std::int32_t grid[3];
-  std::int32_t block[3];
-};
-struct RangeRow {
-  const char* name;
-  std::int64_t start_ns, end_ns, thread;
-  std::int32_t depth;
-};
-}  // namespace
-
 void TraceWriter::write_profile(const Profile& p) {
   Impl& m = *impl_;
   if (m.closed) m.ctx.fail(ErrorKind::kUsage, "/profile", "write after close()");
   if (m.profile_written) m.ctx.fail(ErrorKind::kUsage, "/profile", "written twice");
   const h5::Ctx& c = m.ctx;
-  Handle str = c.check_id(H5Tcopy(H5T_C_S1), H5Tclose, "/profile", "H5Tcopy");
-  H5Tset_size(str, H5T_VARIABLE);
-  H5Tset_cset(str, H5T_CSET_UTF8);
-  const hsize_t three = 3;
-  Handle i32x3 = c.check_id(H5Tarray_create2(H5T_NATIVE_INT32, 1, &three), H5Tclose, "/profile", "H5Tarray_create2");
-
-  Handle kt = c.check_id(H5Tcreate(H5T_COMPOUND, sizeof(KernelRow)), H5Tclose, "/profile/kernels", "H5Tcreate");
-  H5Tinsert(kt, "name", HOFFSET(KernelRow, name), str);
-  H5Tinsert(kt, "kind", HOFFSET(KernelRow, kind), str);
-  H5Tinsert(kt, "start_ns", HOFFSET(KernelRow, start_ns), H5T_NATIVE_INT64);
-  H5Tinsert(kt, "end_ns", HOFFSET(KernelRow, end_ns), H5T_NATIVE_INT64);
-  H5Tinsert(kt, "stream", HOFFSET(KernelRow, stream), H5T_NATIVE_INT64);
-  H5Tinsert(kt, "bytes", HOFFSET(KernelRow, bytes), H5T_NATIVE_INT64);
-  H5Tinsert(kt, "device", HOFFSET(KernelRow, device), H5T_NATIVE_INT32);
-  H5Tinsert(kt, "grid", HOFFSET(KernelRow, grid), i32x3);
-  H5Tinsert(kt, "block", HOFFSET(KernelRow, block), i32x3);
-  std::vector<KernelRow> krows(p.kernels.size());
+  Handle kt = h5::kernel_row_type(c);
+  std::vector<h5::KernelRow> krows(p.kernels.size());
   for (std::size_t i = 0; i < p.kernels.size(); ++i) {
     const KernelRecord& r = p.kernels[i];
-    krows[i] = KernelRow{r.name.c_str(), r.kind.c_str(), r.start_ns, r.end_ns, r.stream, r.bytes, r.device,
+    krows[i] = h5::KernelRow{const_cast<char*>(r.name.c_str()), const_cast<char*>(r.kind.c_str()), r.start_ns, r.end_ns, r.stream, r.bytes, r.device,
                          {r.grid[0], r.grid[1], r.grid[2]}, {r.block[0], r.block[1], r.block[2]}};
   }
   m.write_plain("/profile/kernels", kt, kt, {krows.size()}, krows.data());
 
-  Handle rt = c.check_id(H5Tcreate(H5T_COMPOUND, sizeof(RangeRow)), H5Tclose, "/profile/ranges", "H5Tcreate");
-  H5Tinsert(rt, "name", HOFFSET(RangeRow, name), str);
-  H5Tinsert(rt, "start_ns", HOFFSET(RangeRow, start_ns), H5T_NATIVE_INT64);
-  H5Tinsert(rt, "end_ns", HOFFSET(RangeRow, end_ns), H5T_NATIVE_INT64);
-  H5Tinsert(rt, "thread", HOFFSET(RangeRow, thread), H5T_NATIVE_INT64);
-  H5Tinsert(rt, "depth", HOFFSET(RangeRow, depth), H5T_NATIVE_INT32);
-  std::vector<RangeRow> rrows(p.ranges.size());
+  Handle rt = h5::range_row_type(c);
+  std::vector<h5::RangeRow> rrows(p.ranges.size());
   for (std::size_t i = 0; i < p.ranges.size(); ++i) {
     const RangeRecord& r = p.ranges[i];
-    rrows[i] = RangeRow{r.name.c_str(), r.start_ns, r.end_ns, r.thread, r.depth};
+    rrows[i] = h5::RangeRow{const_cast<char*>(r.name.c_str()), r.start_ns, r.end_ns, r.thread, r.depth};
   }
   m.write_plain("/profile/ranges", rt, rt, {rrows.size()}, rrows.data());
   m.profile_written = true;
