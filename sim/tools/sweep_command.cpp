@@ -57,7 +57,8 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
               "memory vs output error and the collapse flags. Per-layer statistics (attention scores,\n"
               "key norms, redundancy) are computed once and shared by all policies.\n\nOptions"
             : "kvsim run --trace FILE --policy NAME[@BUDGET] [-o results.h5] [--csv results.csv]\n\n"
-              "Replays the trace through one policy and prints memory and quality, overall and per layer.\n\n"
+              "Replays the trace through one policy and prints memory and quality per point (add --layers\n"
+              "for the per-layer table).\n\n"
               "Options";
   po::options_description opts(usage);
   opts.add_options()("help,h", "show this help")("trace,t", po::value<std::string>(), "trace file (kvscope-trace v1)");
@@ -70,7 +71,8 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
         "scorer policy of the oracle allocation reported beside the policies (per layer x modality "
         "budgets from measured error curves, greedy on marginal error per byte); 'none' to skip");
   } else {
-    opts.add_options()("policy,p", po::value<std::string>(), "policy with optional budget, e.g. h2o@0.3, unicache, int8");
+    opts.add_options()("policy,p", po::value<std::string>(), "policy and budget, e.g. h2o@0.3, h2o+int8@512tok; unicache, adaptive and the "
+        "quantizers (int8, int4, kivi2) need no budget");
   }
   opts.add_options()("policy-file", po::value<std::vector<std::string>>()->composing(),
                      "INI file with [policy NAME] sections (base = PRESET, parameters; docs/policies.md)")(
