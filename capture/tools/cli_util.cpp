@@ -6,6 +6,7 @@
 #include <string>
 
 #include "kvscope/cli/progress.hpp"
+#include "kvscope/kernels/blas_runtime.hpp"
 
 namespace kvscope::cli {
 
@@ -76,32 +77,8 @@ std::string format_seconds(double s) {
 
 }  // namespace kvscope::cli
 
-extern "C" char* openblas_get_corename(void);
-
 namespace kvscope::cli {
 
-void use_fast_blas_core(char** argv) {
-  // Both settings are read when the libraries load, so they need a fresh process image.
-  if (std::getenv("KVSCOPE_ENV_SET") != nullptr) return;
-  bool changed = false;
-  if (std::getenv("OMP_WAIT_POLICY") == nullptr) {
-    // Idle OpenMP threads sleep instead of spinning: the simulator runs many short parallel
-    // regions, and spinning threads steal the cores the working threads need.
-    changed |= setenv("OMP_WAIT_POLICY", "PASSIVE", 1) == 0;
-  }
-#if defined(__x86_64__)
-  if (std::getenv("OPENBLAS_CORETYPE") == nullptr) {
-    const std::string core = openblas_get_corename();
-    const bool generic = core == "Prescott" || core == "Core2" || core == "Penryn" || core == "Nehalem";
-    const char* better =
-        __builtin_cpu_supports("avx512f") ? "SkylakeX" : __builtin_cpu_supports("avx2") ? "Haswell" : nullptr;
-    if (generic && better != nullptr) changed |= setenv("OPENBLAS_CORETYPE", better, 1) == 0;
-  }
-#endif
-  if (!changed) return;
-  setenv("KVSCOPE_ENV_SET", "1", 1);
-  execv("/proc/self/exe", argv);
-  // exec failed: carry on in this process with the settings it started with
-}
+void use_fast_blas_core(char** argv) { kernels::use_fast_blas_runtime(argv); }
 
 }  // namespace kvscope::cli

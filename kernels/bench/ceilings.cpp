@@ -97,29 +97,6 @@ double measure_cpu_sgemm(int threads, int n, int reps, std::string* note) {
 #endif
 }
 
-void reexec_if_generic_openblas_core(char** argv) {
-#if defined(KVBENCH_HAVE_OPENBLAS) && (defined(__x86_64__) || defined(__i386__))
-  if (std::getenv("OPENBLAS_CORETYPE") != nullptr) return;
-  const std::string core = openblas_get_corename();
-  if (core != "Prescott" && core != "Core2" && core != "Penryn" && core != "Nehalem") return;
-  const char* better = __builtin_cpu_supports("avx512f") ? "SkylakeX"
-                       : __builtin_cpu_supports("avx2")  ? "Haswell"
-                                                         : nullptr;
-  if (better == nullptr) return;
-  std::fprintf(
-      stderr,
-      "kvbench: OpenBLAS chose the generic core %s on this CPU; re-running with OPENBLAS_CORETYPE=%s\n",
-      core.c_str(), better);
-  std::fflush(stderr);
-  if (setenv("OPENBLAS_CORETYPE", better, 1) != 0) return;
-  execv("/proc/self/exe", argv);
-  std::fprintf(stderr, "kvbench: re-exec failed; CPU sgemm ceiling uses OpenBLAS core %s\n", core.c_str());
-  unsetenv("OPENBLAS_CORETYPE");
-#else
-  (void)argv;
-#endif
-}
-
 #if !defined(KVSCOPE_HAVE_CUDA)
 double measure_gpu_triad(std::size_t, int, std::string* note) {
   if (note) *note = "built without CUDA";

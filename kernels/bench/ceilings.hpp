@@ -23,13 +23,6 @@ double measure_cpu_sgemm(int threads, int n, int reps, std::string* note);
 double measure_gpu_triad(std::size_t bytes_per_array, int reps, std::string* note);
 double measure_gpu_sgemm(int n, int reps, std::string* note);
 
-// OpenBLAS (DYNAMIC_ARCH) picks its kernels from CPUID when the library loads; in VMs
-// that hide the CPU model it falls back to the generic "Prescott" core, about 4x
-// slower than the machine can do. When that happened, OPENBLAS_CORETYPE is unset and
-// the CPU has AVX-512 (SkylakeX) or AVX2 (Haswell), this re-executes the program
-// with OPENBLAS_CORETYPE set (returns only if it did not re-execute).
-void reexec_if_generic_openblas_core(char** argv);
-
 // Fills every ceiling (GPU ones only when a GPU is present). `quick` uses smaller
 // sizes (for smoke tests; the numbers are then not ceilings).
 Ceilings measure_ceilings(int threads, bool quick);

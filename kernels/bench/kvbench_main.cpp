@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "bench_util.hpp"
+#include "kvscope/kernels/blas_runtime.hpp"
 #include "ceilings.hpp"
 #include "cupti_recorder.hpp"
 #include "kvbench_report.hpp"
@@ -348,7 +349,10 @@ int run(int argc, char** argv) {
   bool exit_now = false;
   if (!parse_options(argc, argv, &opt, &exit_now)) return 1;
   if (exit_now) return 0;
-  if (!opt.skip_ceilings && !opt.list_only) reexec_if_generic_openblas_core(argv);
+  if (!opt.skip_ceilings && !opt.list_only) {
+    // Spinning OpenMP waits are kept: the ceilings and kernels are timed back to back.
+    kernels::use_fast_blas_runtime(argv, {.passive_omp_wait = false, .announce_as = "kvbench"});
+  }
   kernels::set_cpu_threads(opt.threads);
 
   {

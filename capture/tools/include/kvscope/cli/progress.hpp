@@ -32,9 +32,7 @@ std::string format_seconds(double s);
 }  // namespace kvscope::cli
 
 namespace kvscope::cli {
-// Process settings read when the libraries load, applied by re-executing the program once:
-// OMP_WAIT_POLICY=PASSIVE unless set (idle OpenMP threads sleep instead of spinning), and
-// OPENBLAS_CORETYPE=SkylakeX/Haswell where OpenBLAS 0.3.21 does not recognise the CPU and
-// would fall back to its generic kernels (about 2x slower). Variables a user set are kept.
+// kernels::use_fast_blas_runtime(argv) with the command-line tools' defaults (passive OpenMP
+// waits, silent): see kvscope/kernels/blas_runtime.hpp.
 void use_fast_blas_core(char** argv);
 }  // namespace kvscope::cli

@@ -1,0 +1,25 @@
+// Process settings of the BLAS and OpenMP runtimes that are read when the libraries load, so a
+// program applies them by re-executing itself once, early in main().
+#pragma once
+
+namespace kvscope::kernels {
+
+struct BlasRuntimeOptions {
+  // Set OMP_WAIT_POLICY=PASSIVE unless the user set it: idle OpenMP threads sleep instead of
+  // spinning (programs with many short parallel regions, where spinning threads steal cores).
+  bool passive_omp_wait = true;
+  // Program name for a one-line note on stderr when the OpenBLAS core is changed; nullptr = silent.
+  const char* announce_as = nullptr;
+};
+
+// OpenBLAS 0.3.21 does not recognise some current x86 CPUs and falls back to its generic
+// kernels (about 2x slower): where it reports a generic core and the CPU has AVX-512 or AVX2,
+// this sets OPENBLAS_CORETYPE=SkylakeX or Haswell. Variables a user set are kept. Re-executes
+// /proc/self/exe with argv at most once (marked by KVSCOPE_ENV_SET); returns if nothing changes
+// or the exec fails (the program carries on with the settings it started with).
+void use_fast_blas_runtime(char** argv, const BlasRuntimeOptions& options = {});
+
+// The OpenBLAS core in use ("SkylakeX", "Haswell", "Prescott", ...).
+const char* blas_core_name();
+
+}  // namespace kvscope::kernels
