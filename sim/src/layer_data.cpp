@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 
@@ -26,6 +27,8 @@ TraceContext TraceContext::from_reader(const trace::TraceReader& reader) {
   c.grid_col = t.grid_col;
   c.segment = t.segment;
   for (auto m : t.modality) ++c.tokens[m];
+  c.modality_all = c.modality;
+  c.modality_all.resize(static_cast<std::size_t>(c.T) + static_cast<std::size_t>(c.S), 0);
   return c;
 }
 
@@ -79,7 +82,7 @@ std::vector<float> LayerData::reduce(const std::vector<float>& per_q) const {
 const std::vector<float>& LayerData::h2o() {
   if (h2o_.empty()) {
     std::vector<float> q(static_cast<std::size_t>(ctx_.geometry.num_q_heads) * static_cast<std::size_t>(ctx_.T));
-    check(kernels::cpu::accumulated_attention(problem(), kernels::QueryRange{0, -1}, q.data()), "H2O attention");
+    check(ctx_.backend->accumulated_attention(problem(), kernels::QueryRange{0, -1}, q.data()), "H2O attention");
     h2o_ = reduce(q);
   }
   return h2o_;
@@ -92,14 +95,14 @@ const std::vector<float>& LayerData::snapkv(const kernels::SnapKVParams& p) {
   auto it = snap_.find(key);
   if (it != snap_.end()) return it->second;
   std::vector<float> q(static_cast<std::size_t>(ctx_.geometry.num_q_heads) * static_cast<std::size_t>(ctx_.T));
-  check(kernels::cpu::snapkv_scores(problem(), eff, q.data()), "SnapKV scores");
+  check(ctx_.backend->snapkv_scores(problem(), eff, q.data()), "SnapKV scores");
   return snap_.emplace(key, reduce(q)).first->second;
 }
 
 const std::vector<float>& LayerData::tova() {
   if (tova_.empty()) {
     std::vector<float> q(static_cast<std::size_t>(ctx_.geometry.num_q_heads) * static_cast<std::size_t>(ctx_.T));
-    check(kernels::cpu::tova_scores(problem(), q.data()), "TOVA scores");
+    check(ctx_.backend->tova_scores(problem(), q.data()), "TOVA scores");
     tova_ = reduce(q);
   }
   return tova_;
@@ -128,7 +131,7 @@ const std::vector<float>& LayerData::cross_received() {
   if (received_.empty()) {
     const std::size_t n = static_cast<std::size_t>(ctx_.geometry.num_q_heads) * static_cast<std::size_t>(ctx_.T);
     std::vector<float> rec(n), giv(n);
-    check(kernels::cpu::cross_modal_interaction(problem(), ctx_.modality.data(), nullptr, rec.data(), giv.data()),
+    check(ctx_.backend->cross_modal_interaction(problem(), ctx_.modality.data(), nullptr, rec.data(), giv.data()),
           "cross-modal interaction");
     received_ = reduce(rec);
     given_ = reduce(giv);
@@ -161,17 +164,117 @@ const kernels::FullAttention& LayerData::full_attention(bool proportional_attent
   ep.head_dim = g.head_dim;
   ep.dtype = ctx_.dtype;
   ep.proportional_attention = proportional_attention;  // does not affect the full side
-  check(kernels::cpu::full_attention(ep, decode_.q.data.data(), prefill_.k.data.data(), prefill_.v.data.data(),
+  check(ctx_.backend->full_attention(ep, decode_.q.data.data(), prefill_.k.data.data(), prefill_.v.data.data(),
                                      ctx_.modality.data(), full_),
         "full attention");
   have_full_ = true;
   return full_;
 }
 
+const std::vector<float>& LayerData::k_all() {
+  if (kall_.empty()) {
+    const int H = ctx_.geometry.num_kv_heads, T = ctx_.T, S = ctx_.S, D = ctx_.geometry.head_dim;
+    const std::size_t N = static_cast<std::size_t>(T) + static_cast<std::size_t>(S);
+    const auto& kp = k_f32();
+    const auto& vp = v_f32();
+    const std::vector<float> kd = decode_.k.to_float(), vd = decode_.v.to_float();
+    kall_.resize(static_cast<std::size_t>(H) * N * static_cast<std::size_t>(D));
+    vall_.resize(kall_.size());
+    const std::size_t TD = static_cast<std::size_t>(T) * D, SD = static_cast<std::size_t>(S) * D;
+    for (int h = 0; h < H; ++h) {
+      const std::size_t o = static_cast<std::size_t>(h) * N * D;
+      std::copy_n(kp.begin() + static_cast<std::ptrdiff_t>(h * TD), TD, kall_.begin() + static_cast<std::ptrdiff_t>(o));
+      std::copy_n(vp.begin() + static_cast<std::ptrdiff_t>(h * TD), TD, vall_.begin() + static_cast<std::ptrdiff_t>(o));
+      std::copy_n(kd.begin() + static_cast<std::ptrdiff_t>(h * SD), SD, kall_.begin() + static_cast<std::ptrdiff_t>(o + TD));
+      std::copy_n(vd.begin() + static_cast<std::ptrdiff_t>(h * SD), SD, vall_.begin() + static_cast<std::ptrdiff_t>(o + TD));
+    }
+  }
+  return kall_;
+}
+
+const std::vector<float>& LayerData::v_all() {
+  k_all();
+  return vall_;
+}
+
+const std::vector<float>& LayerData::q_steps() {
+  if (qsteps_.empty()) {
+    const int Hq = ctx_.geometry.num_q_heads, S = ctx_.S, D = ctx_.geometry.head_dim;
+    const std::vector<float> q = decode_.q.to_float();  // [Hq, S, D]
+    qsteps_.resize(q.size());
+    for (int j = 0; j < Hq; ++j)
+      for (int s = 0; s < S; ++s)
+        std::copy_n(q.begin() + static_cast<std::ptrdiff_t>((static_cast<std::size_t>(j) * S + s) * D), D,
+                    qsteps_.begin() + static_cast<std::ptrdiff_t>((static_cast<std::size_t>(s) * Hq + j) * D));
+  }
+  return qsteps_;
+}
+
+void LayerData::compute_full_steps() {
+  const auto& g = ctx_.geometry;
+  const int H = g.num_kv_heads, Hq = g.num_q_heads, G = g.group_size(), D = g.head_dim, T = ctx_.T, S = ctx_.S;
+  const std::size_t N = static_cast<std::size_t>(T) + static_cast<std::size_t>(S);
+  const auto& k = k_all();
+  const auto& v = v_all();
+  const auto& q = q_steps();
+  step_probs_offset_.assign(static_cast<std::size_t>(S), 0);
+  std::size_t total = 0;
+  for (int s = 0; s < S; ++s) {
+    step_probs_offset_[static_cast<std::size_t>(s)] = total;
+    total += static_cast<std::size_t>(Hq) * static_cast<std::size_t>(T + s + 1);
+  }
+  step_probs_.resize(total);
+  step_output_.resize(static_cast<std::size_t>(S) * Hq * D);
+  step_entropy_.resize(static_cast<std::size_t>(S) * Hq);
+  step_mass_.resize(static_cast<std::size_t>(S) * Hq * 4);
+  std::vector<std::string> errors(static_cast<std::size_t>(H) * S);
+#pragma omp parallel for collapse(2) schedule(dynamic)
+  for (int h = 0; h < H; ++h) {
+    for (int s = 0; s < S; ++s) {
+      kernels::EvaluateParams ep;
+      ep.num_q_heads = G;
+      ep.num_kv_heads = 1;
+      ep.num_queries = 1;
+      ep.num_tokens = T + s + 1;
+      ep.head_dim = D;
+      ep.dtype = kernels::DType::kF32;
+      const std::size_t kv = static_cast<std::size_t>(h) * N * D;
+      const kernels::Status st = ctx_.backend->full_attention(
+          ep, &q[(static_cast<std::size_t>(s) * Hq + static_cast<std::size_t>(h) * G) * D], &k[kv], &v[kv],
+          ctx_.modality_all.data(), full_step(h, s));
+      if (!st.ok()) errors[static_cast<std::size_t>(h) * S + s] = st.message();
+    }
+  }
+  for (const auto& e : errors)
+    if (!e.empty()) throw std::runtime_error("full attention (decode steps): " + e);
+  have_steps_ = true;
+}
+
+kernels::FullAttention LayerData::full_step(int h, int s) {
+  const int Hq = ctx_.geometry.num_q_heads, G = ctx_.geometry.group_size(), D = ctx_.geometry.head_dim;
+  const std::size_t row = static_cast<std::size_t>(s) * Hq + static_cast<std::size_t>(h) * G;
+  const std::size_t len = static_cast<std::size_t>(ctx_.T + s + 1);
+  return kernels::FullAttention{&step_probs_[step_probs_offset_[static_cast<std::size_t>(s)] + static_cast<std::size_t>(h) * G * len],
+                                &step_output_[row * D], &step_entropy_[row], &step_mass_[row * 4]};
+}
+
+const std::vector<float>& LayerData::key_norm_all() {
+  if (knorm_all_.empty()) {
+    const int H = ctx_.geometry.num_kv_heads, D = ctx_.geometry.head_dim;
+    const int N = ctx_.T + ctx_.S;
+    knorm_all_.resize(static_cast<std::size_t>(H) * N);
+    kernels::KeyTensor k{k_all().data(), H, N, D, kernels::DType::kF32};
+    check(kernels::cpu::key_norms(k, knorm_all_.data()), "key norms");
+    for (auto& x : knorm_all_) x = -x;
+  }
+  return knorm_all_;
+}
+
 void LayerData::prepare(const PolicySpec& p) {
   k_f32();
   v_f32();
-  full_attention(p.proportional_attention);
+  if (!have_steps_) compute_full_steps();
+  if (p.mode == PolicyMode::kDecode && p.scorer == ScorerKind::kKeyNorm) key_norm_all();
   switch (p.scorer) {
     case ScorerKind::kH2O: h2o(); break;
     case ScorerKind::kSnapKV: snapkv(p.snapkv); break;

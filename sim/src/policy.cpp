@@ -227,9 +227,32 @@ PolicySpec PolicyRegistry::get(const std::string& raw) const {
   auto list = [&] {
     std::string s;
     for (const auto& n : names()) s += (s.empty() ? "" : ", ") + n;
-    return s + "; compose an eviction policy with a quantizer as NAME+int8|int8-head|int4|kivi2; adaptive-NAME wraps NAME";
+    return s + "; compose an eviction policy with a quantizer as NAME+int8|int8-head|int4|kivi2; adaptive-NAME wraps NAME; NAME~decode[:INTERVAL] evicts during decoding";
   };
   if (name.empty()) throw PolicyError("empty policy name (valid: " + list() + ")");
+  // "A~decode[:N]": policy A run continuously during decoding. Split before '+', so that
+  // "h2o+int8~decode" is (h2o+int8) in decode mode.
+  const auto tilde = name.find('~');
+  if (tilde != std::string::npos) {
+    const std::string suffix = name.substr(tilde + 1);
+    int interval = 1;
+    bool ok = suffix == "decode";
+    if (!ok && suffix.rfind("decode:", 0) == 0 && suffix.size() > 7 && suffix.size() < 17) {
+      const std::string digits = suffix.substr(7);
+      ok = digits.find_first_not_of("0123456789") == std::string::npos && digits != "0";
+      if (ok) interval = static_cast<int>(std::stol(digits));
+      ok = ok && interval >= 1;
+    }
+    if (!ok) {
+      throw PolicyError("malformed mode suffix '~" + suffix + "' in '" + name + "' (use " + kDecodeSuffixSyntax + ")");
+    }
+    PolicySpec p = get(name.substr(0, tilde));
+    p.mode = PolicyMode::kDecode;
+    p.interval = interval;
+    p.name = name;
+    check_decode_support(p, "'" + name + "'");
+    return p;
+  }
   const auto plus = name.find('+');
   if (plus != std::string::npos) {
     PolicySpec p = get(name.substr(0, plus));
@@ -281,6 +304,9 @@ const std::vector<std::pair<std::string, std::string>>& policy_parameters() {
       {"proportional_attention", "add log n to the logits of merged slots"},
       {"adaptive", "true: rate from input complexity, the budget is ignored"},
       {"seed", "seed of the random scorer"},
+      {"mode", "prefill (compress once after prefill) or decode (evict during the decode steps)"},
+      {"cap", "decode mode: cache cap, a budget (0.3, 512tok, 64MiB); unset = the point's budget"},
+      {"interval", "decode mode: decode steps between evictions (whole number >= 1)"},
       {"unicache.w_a", "UniCache attention weight"},
       {"unicache.w_c", "UniCache cross-modal weight"},
       {"unicache.w_d", "UniCache redundancy weight"},
@@ -389,6 +415,16 @@ void apply_parameter(PolicySpec& p, const std::string& key, const std::string& v
   } else if (key == "proportional_attention") p.proportional_attention = parse_bool(v, w);
   else if (key == "adaptive") p.adaptive = parse_bool(v, w);
   else if (key == "seed") p.seed = static_cast<std::uint64_t>(whole(0, 1.8e19));
+  else if (key == "mode")
+    p.mode = parse_enum<PolicyMode>(v, w, {{"prefill", PolicyMode::kPrefill}, {"decode", PolicyMode::kDecode}});
+  else if (key == "cap") {
+    try {
+      p.cap = parse_budget(v);
+    } catch (const PolicyError& e) {
+      throw PolicyError(w + ": " + e.what());
+    }
+    if (p.cap.kind == Budget::Kind::kNone) throw PolicyError(w + ": '" + v + "' is not a budget (0.3, 512tok, 64MiB)");
+  } else if (key == "interval") p.interval = static_cast<int>(whole(1, 1e6));
   else if (key == "unicache.w_a") p.unicache.w_a = static_cast<float>(num(0, 10));
   else if (key == "unicache.w_c") p.unicache.w_c = static_cast<float>(num(0, 10));
   else if (key == "unicache.w_d") p.unicache.w_d = static_cast<float>(num(0, 10));
@@ -433,8 +469,8 @@ void PolicyRegistry::load_ini(const std::string& path) {
         throw PolicyError(where + ": section must be [policy NAME]");
       }
       std::string name = trim(inner.substr(6));
-      if (name.empty() || name.find_first_of("+@, \t") != std::string::npos) {
-        throw PolicyError(where + ": policy name '" + name + "' must be non-empty without '+', '@', ',' or spaces");
+      if (name.empty() || name.find_first_of("+@~, \t") != std::string::npos) {
+        throw PolicyError(where + ": policy name '" + name + "' must be non-empty without '+', '@', '~', ',' or spaces");
       }
       if (name.rfind("adaptive-", 0) == 0) {
         throw PolicyError(where + ": policy name '" + name + "' must not start with 'adaptive-' (that prefix wraps a policy)");
@@ -472,7 +508,26 @@ void PolicyRegistry::load_ini(const std::string& path) {
     for (const auto& [k, v, ln] : sec.kv) {
       if (k != "base") apply_parameter(p, k, v, path + ":" + std::to_string(ln));
     }
+    if (p.mode == PolicyMode::kDecode) check_decode_support(p, where + ": [policy " + sec.name + "]");
+    if (p.mode == PolicyMode::kPrefill && (p.cap.kind != Budget::Kind::kNone || p.interval != 1)) {
+      throw PolicyError(where + ": [policy " + sec.name + "] sets cap or interval without 'mode = decode'");
+    }
     specs_[sec.name] = p;
+  }
+}
+
+void check_decode_support(const PolicySpec& p, const std::string& where) {
+  std::string bad;
+  if (!p.compress_tokens) bad = "it does not evict tokens (decode mode needs a token scorer)";
+  else if (p.adaptive) bad = "adaptive budgets";
+  else if (p.head_merge) bad = "head merging";
+  else if (p.executor != ExecutorKind::kEvict) bad = "a merging executor";
+  else if (p.allocator != AllocatorKind::kUniform && p.allocator != AllocatorKind::kPyramid) bad = "its budget allocator";
+  else if (p.scorer == ScorerKind::kVisionStride || p.scorer == ScorerKind::kUniCache) bad = "its scorer";
+  if (!bad.empty()) {
+    throw PolicyError(where + ": decode mode does not support " + bad +
+                      "; it supports scorers none, recency, h2o, snapkv, tova, knorm, random with the uniform or "
+                      "pyramid allocator, the evict executor and any quantizer (e.g. h2o~decode, snapkv+int8~decode)");
   }
 }
 

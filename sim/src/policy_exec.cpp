@@ -12,6 +12,7 @@
 #include "kvscope/kernels/quantize.hpp"
 #include "kvscope/kernels/select.hpp"
 #include "kvscope/sim/engine.hpp"
+#include "evaluation.hpp"
 
 namespace kvscope::sim {
 
@@ -93,7 +94,7 @@ double keep_fraction(const PolicySpec& p, const Budget& b, const TraceContext& c
 LayerResult run_policy_on_layer(const PolicySpec& p, double keep, LayerData& L, TraceContext& ctx,
                                 std::vector<std::string>& warnings, bool record_tokens) {
   const auto& g = ctx.geometry;
-  const int H = g.num_kv_heads, Hq = g.num_q_heads, D = g.head_dim, T = ctx.T, S = ctx.S, G = g.group_size();
+  const int H = g.num_kv_heads, Hq = g.num_q_heads, D = g.head_dim, T = ctx.T, S = ctx.S;
   const int layer = L.layer();
   const std::size_t TD = static_cast<std::size_t>(T) * static_cast<std::size_t>(D);
   const std::int64_t elem = static_cast<std::int64_t>(kernels::dtype_bytes(ctx.dtype));
@@ -367,13 +368,13 @@ LayerResult run_policy_on_layer(const PolicySpec& p, double keep, LayerData& L, 
     if (p.shared_heads) {
       std::int32_t c = 0;
       std::vector<std::int32_t> one(static_cast<std::size_t>(k));
-      check(kernels::cpu::select_topk_shared(scores.data(), Hw, T, sp, one.data(), &c), "select (shared)");
+      check(ctx.backend->select_topk_shared(scores.data(), Hw, T, sp, one.data(), &c), "select (shared)");
       for (int w = 0; w < Hw; ++w) {
         std::copy(one.begin(), one.end(), kept.begin() + static_cast<std::ptrdiff_t>(w) * k);
         counts[static_cast<std::size_t>(w)] = c;
       }
     } else {
-      check(kernels::cpu::select_topk(scores.data(), Hw, T, sp, kept.data(), counts.data()), "select");
+      check(ctx.backend->select_topk(scores.data(), Hw, T, sp, kept.data(), counts.data()), "select");
     }
   }
 
@@ -444,7 +445,7 @@ LayerResult run_policy_on_layer(const PolicySpec& p, double keep, LayerData& L, 
         auto& data = kv == 0 ? slot_k[static_cast<std::size_t>(w)] : slot_v[static_cast<std::size_t>(w)];
         std::vector<float> out(data.size());
         kernels::QuantShape qs{1, K, D, kernels::DType::kF32};
-        note(w, kernels::cpu::quantize_dequantize(q, qs, data.data(), out.data()), "quantize");
+        note(w, ctx.backend->quantize_dequantize(q, qs, data.data(), out.data()), "quantize");
         data.swap(out);
         const auto qb = kernels::quantized_bytes(q, 1, K, D, ctx.dtype);
         b.kv += qb.codes;
@@ -514,61 +515,57 @@ LayerResult run_policy_on_layer(const PolicySpec& p, double keep, LayerData& L, 
           K ? static_cast<std::int64_t>(std::llround(static_cast<double>(kept_total) * slots_m[static_cast<std::size_t>(m)] / K)) : 0;
   }
 
-  // ---- 8. quality on the evaluation queries
-  std::vector<std::int32_t> offsets(static_cast<std::size_t>(H) + 1, 0);
-  for (int h = 0; h < H; ++h) offsets[static_cast<std::size_t>(h) + 1] = offsets[static_cast<std::size_t>(h)] + counts[static_cast<std::size_t>(cluster[static_cast<std::size_t>(h)])];
-  const std::size_t total_slots = static_cast<std::size_t>(offsets.back());
-  std::vector<float> ck(total_slots * D), cv(total_slots * D);
-  std::vector<std::int32_t> cn(total_slots), ct2s(static_cast<std::size_t>(H) * T);
-  std::vector<std::uint8_t> cmod(total_slots);
+  // ---- 8. quality on the evaluation queries, causally: query s sees the compressed context plus
+  // the decode tokens 0..s, which prefill mode always keeps, exact (docs/metrics.md).
+  L.prepare_steps();
+  const std::int64_t decode_token_bytes = 2ll * D * elem;
+  std::vector<std::string> eval_errors(static_cast<std::size_t>(H));
+#pragma omp parallel for schedule(dynamic)
   for (int h = 0; h < H; ++h) {
     const int w = cluster[static_cast<std::size_t>(h)];
-    const std::size_t o = static_cast<std::size_t>(offsets[static_cast<std::size_t>(h)]);
     const int K = counts[static_cast<std::size_t>(w)];
-    std::copy(slot_k[static_cast<std::size_t>(w)].begin(), slot_k[static_cast<std::size_t>(w)].end(), ck.begin() + static_cast<std::ptrdiff_t>(o * D));
-    std::copy(slot_v[static_cast<std::size_t>(w)].begin(), slot_v[static_cast<std::size_t>(w)].end(), cv.begin() + static_cast<std::ptrdiff_t>(o * D));
-    std::copy(slot_n[static_cast<std::size_t>(w)].begin(), slot_n[static_cast<std::size_t>(w)].end(), cn.begin() + static_cast<std::ptrdiff_t>(o));
-    for (int s = 0; s < K; ++s) cmod[o + static_cast<std::size_t>(s)] = ctx.modality[static_cast<std::size_t>(kept[static_cast<std::size_t>(w) * k + s])];
-    std::copy_n(&tok2slot[static_cast<std::size_t>(w) * T], T, &ct2s[static_cast<std::size_t>(h) * T]);
-  }
-  kernels::CompressedCache cache;
-  cache.k = ck.data();
-  cache.v = cv.data();
-  cache.slot_offsets = offsets.data();
-  cache.multiplicity_i32 = cn.data();
-  cache.slot_modality = cmod.data();
-  cache.token_to_slot = ct2s.data();
-  kernels::EvaluateParams ep;
-  ep.num_q_heads = Hq;
-  ep.num_kv_heads = H;
-  ep.num_queries = S;
-  ep.num_tokens = T;
-  ep.head_dim = D;
-  ep.dtype = ctx.dtype;
-  ep.proportional_attention = p.proportional_attention;
-  const std::size_t nq = static_cast<std::size_t>(Hq) * S;
-  std::vector<float> err(nq), rec(nq), kl(nq), dent(nq), recm(nq * 4), mfull(nq * 4), mcomp(nq * 4);
-  kernels::EvaluateOutputs eo{err.data(), rec.data(), kl.data(), dent.data(), recm.data(), mfull.data(), mcomp.data()};
-  check(kernels::cpu::evaluate_attention(ep, L.decode().q.data.data(), ctx.modality.data(),
-                                         L.full_attention(p.proportional_attention), cache, eo),
-        "evaluate");
-  for (int h = 0; h < H; ++h) {
-    Quality& q = res.heads[static_cast<std::size_t>(h)].quality;
-    const double n = static_cast<double>(G) * S;
-    for (int j = h * G; j < (h + 1) * G; ++j) {
-      for (int i = 0; i < S; ++i) {
-        const std::size_t r = static_cast<std::size_t>(j) * S + i;
-        q.output_error += err[r] / n;
-        q.attention_recall += rec[r] / n;
-        q.kl += kl[r] / n;
-        q.entropy_delta += dent[r] / n;
-        for (int m = 0; m < kModalities; ++m) {
-          q.recall_modality[static_cast<std::size_t>(m)] += recm[r * 4 + static_cast<std::size_t>(m)] / n;
-          q.share_before[static_cast<std::size_t>(m)] += mfull[r * 4 + static_cast<std::size_t>(m)] / n;
-          q.share_after[static_cast<std::size_t>(m)] += mcomp[r * 4 + static_cast<std::size_t>(m)] / n;
-        }
+    const std::size_t N = static_cast<std::size_t>(K) + static_cast<std::size_t>(S);
+    std::vector<float> ck(N * D), cv(N * D);  // [K + S, D] context slots, then decode tokens
+    std::vector<std::int32_t> cn(N, 1), t2s(static_cast<std::size_t>(T) + static_cast<std::size_t>(S));
+    std::vector<std::uint8_t> cmod(N, 0);
+    std::copy(slot_k[static_cast<std::size_t>(w)].begin(), slot_k[static_cast<std::size_t>(w)].end(), ck.begin());
+    std::copy(slot_v[static_cast<std::size_t>(w)].begin(), slot_v[static_cast<std::size_t>(w)].end(), cv.begin());
+    std::copy(slot_n[static_cast<std::size_t>(w)].begin(), slot_n[static_cast<std::size_t>(w)].end(), cn.begin());
+    const std::size_t all = (static_cast<std::size_t>(h) * (static_cast<std::size_t>(T) + S) + T) * D;
+    std::copy_n(L.k_all().begin() + static_cast<std::ptrdiff_t>(all), static_cast<std::size_t>(S) * D,
+                ck.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(K) * D));
+    std::copy_n(L.v_all().begin() + static_cast<std::ptrdiff_t>(all), static_cast<std::size_t>(S) * D,
+                cv.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(K) * D));
+    for (int s = 0; s < K; ++s)
+      cmod[static_cast<std::size_t>(s)] = ctx.modality[static_cast<std::size_t>(kept[static_cast<std::size_t>(w) * k + s])];
+    std::copy_n(&tok2slot[static_cast<std::size_t>(w) * T], T, t2s.begin());
+    for (int j = 0; j < S; ++j) t2s[static_cast<std::size_t>(T + j)] = K + j;
+    try {
+      for (int s = 0; s < S; ++s) {
+        StepCache c{ck.data(), cv.data(), K + s + 1, cn.data(), cmod.data(), t2s.data()};
+        add_step_quality(L, ctx, h, s, c, p.proportional_attention, res.heads[static_cast<std::size_t>(h)].quality);
       }
+    } catch (const std::exception& e) {
+      eval_errors[static_cast<std::size_t>(h)] = e.what();
     }
+    HeadResult& hr = res.heads[static_cast<std::size_t>(h)];
+    hr.bytes_full_end = hr.bytes_full.total() + S * decode_token_bytes;
+    hr.bytes_end = hr.bytes_kept.total() + S * decode_token_bytes;
+    hr.bytes_peak = hr.bytes_end;  // the cache only grows during the decode steps
+  }
+  for (const auto& e : eval_errors)
+    if (!e.empty()) throw std::runtime_error(e);
+  std::int64_t kept_bytes = 0;
+  std::int32_t max_slots = 0;
+  for (int h = 0; h < H; ++h) {
+    kept_bytes += res.heads[static_cast<std::size_t>(h)].bytes_kept.total();
+    max_slots = std::max(max_slots, counts[static_cast<std::size_t>(cluster[static_cast<std::size_t>(h)])]);
+  }
+  res.steps.resize(static_cast<std::size_t>(S));
+  for (int s = 0; s < S; ++s) {
+    DecodeStep& st = res.steps[static_cast<std::size_t>(s)];
+    st.max_slots = max_slots + s + 1;
+    st.bytes_before = st.bytes_after = kept_bytes + static_cast<std::int64_t>(H) * (s + 1) * decode_token_bytes;
   }
   return res;
 }

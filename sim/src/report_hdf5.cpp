@@ -1,4 +1,4 @@
-// HDF5 results file ("kvscope-results" 1.0), written with the HDF5 C API.
+// HDF5 results file ("kvscope-results" 1.1), written with the HDF5 C API.
 // Layout (normative description: docs/results-format.md):
 //   /            attributes: format, version, trace and model metadata, command line
 //   /points      one entry per point:              [P] and [P, 4] / [P, 6]
@@ -230,6 +230,12 @@ void write_records(const Writer& w, hid_t group, const std::string& gname, const
              [](const HeadResult& r) { return r.bytes_full.total(); });
   scalar_i64("bytes_kept", "bytes after the policy, all components",
              [](const HeadResult& r) { return r.bytes_kept.total(); });
+  scalar_i64("bytes_full_end", "uncompressed cache after the last decode step (context + decode tokens)",
+             [](const HeadResult& r) { return r.bytes_full_end; });
+  scalar_i64("bytes_end", "resident cache after the last decode step, all components",
+             [](const HeadResult& r) { return r.bytes_end; });
+  scalar_i64("bytes_peak", "largest resident cache over the decode steps (after appending, before eviction)",
+             [](const HeadResult& r) { return r.bytes_peak; });
   scalar_f64("bytes_ratio", "bytes_kept / bytes_full (1 when bytes_full is 0)", [](const HeadResult& r) {
     const std::int64_t full = r.bytes_full.total();
     return full ? static_cast<double>(r.bytes_kept.total()) / static_cast<double>(full) : 1.0;
@@ -295,7 +301,7 @@ void write_contents(const Writer& w, hid_t file, const std::vector<PointResult>&
   {  // /points
     Handle g = group("/points");
     std::vector<const HeadResult*> recs;
-    std::vector<std::string> policy, budget;
+    std::vector<std::string> policy, budget, mode;
     std::vector<double> budget_value, seconds;
     std::vector<std::uint8_t> pareto;
     std::vector<std::int32_t> num_flags;
@@ -303,6 +309,7 @@ void write_contents(const Writer& w, hid_t file, const std::vector<PointResult>&
       recs.push_back(&p.total);
       policy.push_back(p.policy);
       budget.push_back(p.budget);
+      mode.push_back(p.mode);
       budget_value.push_back(p.budget_value);
       seconds.push_back(p.seconds);
       pareto.push_back(p.pareto ? 1 : 0);
@@ -310,6 +317,7 @@ void write_contents(const Writer& w, hid_t file, const std::vector<PointResult>&
     }
     w.strings(g, "/points/policy", policy, "canonical policy name");
     w.strings(g, "/points/budget", budget, "budget as given (fraction, NNtok, NNMiB) or - for budget-free");
+    w.strings(g, "/points/mode", mode, "prefill (compressed once after prefill) or decode (evicted during decoding)");
     w.dataset(g, "/points/budget_value", {P}, budget_value, "requested fraction of tokens kept (1 for -)");
     w.dataset(g, "/points/pareto", {P}, pareto, "1 on the bytes_ratio vs output_error Pareto front");
     w.dataset(g, "/points/seconds", {P}, seconds, "wall time of this point, seconds");

@@ -129,6 +129,14 @@ std::string format_table(const std::vector<PointResult>& points, const TableOpti
   if (audio) cols.push_back({"R_audio", false, {}});
   cols.push_back({"KL", false, {}});
   cols.push_back({"dH", false, {}});
+  // Decode-mode points: resident cache after the last decode step and its peak over the steps,
+  // both / the full cache after the last step (prefill-only tables leave these columns out).
+  bool decode = false;
+  for (const PointResult& p : points) decode = decode || p.mode == "decode";
+  if (decode) {
+    cols.push_back({"end", false, {}});
+    cols.push_back({"peak", false, {}});
+  }
   cols.push_back({"P", true, {}});
   std::vector<std::string> flags;  // last column, not padded
 
@@ -148,6 +156,11 @@ std::string format_table(const std::vector<PointResult>& points, const TableOpti
     }
     cols[c++].cells.push_back(fmt("%.4f", q.kl));
     cols[c++].cells.push_back(fmt("%+.3f", q.entropy_delta));
+    if (decode) {
+      const double full_end = static_cast<double>(p.total.bytes_full_end);
+      cols[c++].cells.push_back(full_end > 0 ? fmt("%.3f", static_cast<double>(p.total.bytes_end) / full_end) : "-");
+      cols[c++].cells.push_back(full_end > 0 ? fmt("%.3f", static_cast<double>(p.total.bytes_peak) / full_end) : "-");
+    }
     cols[c++].cells.push_back(p.pareto ? "*" : "");
     flags.push_back(flags_cell(p));
   }
@@ -181,6 +194,10 @@ std::string format_table(const std::vector<PointResult>& points, const TableOpti
            "error);"
            " flags: blind = visual blindness,\n"
            "drift = semantic drift, repeat = repetition, overcomp = over-compression, with their layers\n";
+    if (decode) {
+      out << "end, peak = cache (context + decode tokens) after the last decode step and its maximum over the "
+             "steps, / the full cache then\n";
+    }
   }
   return out.str();
 }

@@ -24,6 +24,9 @@ void accumulate(HeadResult& d, const HeadResult& s, double w) {
     d.quality.share_before[i] += w * s.quality.share_before[i];
     d.quality.share_after[i] += w * s.quality.share_after[i];
   }
+  d.bytes_full_end += s.bytes_full_end;
+  d.bytes_end += s.bytes_end;
+  d.bytes_peak += s.bytes_peak;  // callers replace sums of peaks by the peak of the sum (steps)
   d.quality.output_error += w * s.quality.output_error;
   d.quality.attention_recall += w * s.quality.attention_recall;
   d.quality.kl += w * s.quality.kl;
@@ -294,6 +297,7 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
                       const SweepOptions& options) {
   SweepOutput out;
   TraceContext ctx = TraceContext::from_reader(reader);
+  if (options.backend) ctx.backend = options.backend;
   if (ctx.S == 0) {
     throw std::runtime_error(reader.path() +
                              ": the trace has no decode steps (/decode/tokens/token_id is empty), so there are no "
@@ -302,13 +306,14 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
   }
   const int L = ctx.geometry.num_layers;
   out.points.resize(points.size());
-  std::vector<double> keep(points.size(), 1.0);
+  std::vector<double> keep(points.size(), 1.0), cap(points.size(), 1.0);
   std::vector<std::vector<std::string>> warn(points.size());
   const std::size_t total = points.size() * static_cast<std::size_t>(L);
   std::size_t done = 0;
   for (std::size_t i = 0; i < points.size(); ++i) {
     out.points[i].policy = points[i].policy.name;
     out.points[i].budget = points[i].budget.text.empty() ? "-" : points[i].budget.text;
+    out.points[i].mode = points[i].policy.mode == PolicyMode::kDecode ? "decode" : "prefill";
   }
   OracleCurves curves;
   for (int l = 0; l < L; ++l) {
@@ -328,8 +333,22 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
       ctx.complexity = std::log(V) + std::log(Tt) + 2.0 * n_align / (Tt + V);
       ctx.complexity_known = true;
       for (std::size_t i = 0; i < points.size(); ++i) {
-        keep[i] = keep_fraction(points[i].policy, points[i].budget, ctx);
+        const PolicySpec& ps = points[i].policy;
+        const bool has_budget = points[i].budget.kind != Budget::Kind::kNone;
+        keep[i] = keep_fraction(ps, points[i].budget, ctx);
         out.points[i].budget_value = keep[i];
+        if (ps.mode == PolicyMode::kDecode) {
+          // A fixed cap leaves the point's budget (if any) to a prefill pass; otherwise the budget is the cap.
+          if (ps.cap.kind != Budget::Kind::kNone) {
+            cap[i] = keep_fraction(ps, ps.cap, ctx);
+            keep[i] = has_budget ? keep[i] : 1.0;
+            out.points[i].budget_value = keep[i];
+          } else {
+            cap[i] = has_budget ? keep[i] : 1.0;
+            keep[i] = 1.0;
+            out.points[i].budget_value = cap[i];
+          }
+        }
       }
     }
     // Statistics first (serially, each kernel parallel inside), then the points of this layer
@@ -340,7 +359,12 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
     for (std::size_t i = 0; i < points.size(); ++i) {
       const auto t0 = std::chrono::steady_clock::now();
       try {
-        out.points[i].layers.push_back(run_policy_on_layer(points[i].policy, keep[i], layer, ctx, warn[i]));
+        if (points[i].policy.mode == PolicyMode::kDecode) {
+          out.points[i].layers.push_back(
+              run_decode_policy_on_layer(points[i].policy, keep[i], cap[i], layer, ctx, warn[i]));
+        } else {
+          out.points[i].layers.push_back(run_policy_on_layer(points[i].policy, keep[i], layer, ctx, warn[i]));
+        }
       } catch (const std::exception& e) {
         errors[i] = out.points[i].policy + "@" + out.points[i].budget + ": " + e.what();
       }
@@ -356,11 +380,20 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
   const bool has_vision = ctx.tokens[static_cast<std::size_t>(kernels::Modality::kVision)] > 0;
   for (std::size_t i = 0; i < out.points.size(); ++i) {
     PointResult& pt = out.points[i];
+    std::vector<std::int64_t> resident;  // [S] resident bytes of the point after appending each step
     for (auto& lr : pt.layers) {
       const double w = 1.0 / static_cast<double>(lr.heads.size());
       for (const auto& h : lr.heads) accumulate(lr.total, h, w);
+      resident.resize(std::max(resident.size(), lr.steps.size()), 0);
+      std::int64_t peak = 0;
+      for (std::size_t s = 0; s < lr.steps.size(); ++s) {
+        peak = std::max(peak, lr.steps[s].bytes_before);
+        resident[s] += lr.steps[s].bytes_before;
+      }
+      if (!lr.steps.empty()) lr.total.bytes_peak = peak;
       accumulate(pt.total, lr.total, 1.0 / L);
     }
+    if (!resident.empty()) pt.total.bytes_peak = *std::max_element(resident.begin(), resident.end());
     pt.flags = detect_collapse(pt, options.thresholds, has_vision);
     if (i >= warn.size() || warn[i].empty()) continue;
     // One line per point: the first clamp, and how many more layers had one.

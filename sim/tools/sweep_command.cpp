@@ -3,10 +3,13 @@
 #include <boost/program_options.hpp>
 
 #include <iostream>
+#include <memory>
 #include <sstream>
 
 #include "kvscope/cli/progress.hpp"
 #include "kvscope/kernels/common.hpp"
+#include "kvscope/kernels/device.hpp"
+#include "kvscope/sim/backend.hpp"
 #include "kvscope/sim/info.hpp"
 #include "kvscope/sim/pareto.hpp"
 #include "kvscope/sim/report.hpp"
@@ -39,6 +42,9 @@ std::string policy_help(const PolicyRegistry& reg) {
   for (const auto& [name, p] : reg.presets()) o << "  " << name << std::string(name.size() < 24 ? 24 - name.size() : 1, ' ') << p.description << "\n";
   o << "  A+Q                     eviction/merge policy A, then quantizer Q (int8, int8-head, int4, kivi2), e.g. h2o+int8\n"
        "  adaptive-A              policy A with the complexity-driven rate in [0.40, 0.75]\n"
+       "  A~decode[:N]            decode-time mode: the cache starts full, every decode step appends its token and\n"
+       "                          every N steps (default 1) A evicts down to the budget, now a cap (h2o~decode:4@0.3);\n"
+       "                          scorers none/recency, h2o, snapkv, tova, knorm, random; uniform or pyramid budgets\n"
        "Budgets: a fraction of context tokens kept per layer and head (0.3), tokens (512tok) or total\n"
        "bytes over all layers (64MiB, 1.5GB). Quantization-only policies and adaptive ignore budgets.\n";
   return o.str();
@@ -79,6 +85,9 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
       "output,o", po::value<std::string>(), "write results to this HDF5 file (docs/results-format.md)")(
       "csv", po::value<std::string>(), "write results to this CSV file (one row per point x layer x modality)")(
       "threads", po::value<int>()->default_value(0), "CPU threads for the kernels (0 = all cores)")(
+      "backend", po::value<std::string>()->default_value("auto"),
+      "kernels to run on: cpu, cuda (exit 2 without a CUDA build or GPU), or auto (CUDA when this kvsim was "
+      "built with it and a GPU is present, else CPU); the choice is printed on stderr")(
       "layers", "also print the per-layer table of each point")(
       "explain", "print the evidence and suggested fix of every collapse flag (default: Pareto points only)")(
       "blind-recall", po::value<double>()->default_value(0.5, "0.5"), "visual blindness: vision recall threshold")(
@@ -111,6 +120,17 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
     return 2;
   }
   kernels::set_cpu_threads(threads);
+  std::unique_ptr<Backend> cuda;
+  Backend* backend = nullptr;
+  bool announce_backend = false;
+  try {
+    const BackendKind kind = parse_backend(vm["backend"].as<std::string>());
+    backend = &select_backend(kind, cuda);
+    announce_backend = !vm.count("quiet") || kind == BackendKind::kAuto;
+  } catch (const BackendError& e) {
+    std::cerr << name << ": " << e.what() << "\n";
+    return 2;
+  }
   std::vector<SweepPoint> points;
   try {
     if (vm.count("policy-file")) {
@@ -125,7 +145,8 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
       auto [pname, budget] = split_policy_budget(vm["policy"].as<std::string>());
       PolicySpec p = registry.get(pname);
       const bool uses_budget = p.compress_tokens && !p.adaptive;
-      if (budget.kind == Budget::Kind::kNone && uses_budget && p.allocator != AllocatorKind::kUniCache) {
+      const bool fixed_cap = p.mode == PolicyMode::kDecode && p.cap.kind != Budget::Kind::kNone;
+      if (budget.kind == Budget::Kind::kNone && uses_budget && p.allocator != AllocatorKind::kUniCache && !fixed_cap) {
         throw PolicyError("'" + pname + "' needs a budget, e.g. " + pname + "@0.3 (fraction kept), " + pname +
                           "@512tok or " + pname + "@64MiB");
       }
@@ -144,6 +165,7 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
     trace::TraceReader reader(vm["trace"].as<std::string>());
     const TraceSummary summary = summarize(reader);
     SweepOptions so;
+    so.backend = backend;
     so.thresholds.blind_recall = vm["blind-recall"].as<double>();
     so.thresholds.overcompression_kl = vm["kl-threshold"].as<double>();
     if (sweep && vm["oracle"].as<std::string>() != "none") {
@@ -156,6 +178,14 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
     }
     cli::ProgressBar bar(name, points.size() * static_cast<std::size_t>(reader.geometry().num_layers), !vm.count("quiet"));
     so.progress = [&](std::size_t done, std::size_t) { bar.update(done); };
+    if (announce_backend) {
+      std::cerr << name << ": backend " << backend->description();
+      if (vm["backend"].as<std::string>() == "auto" && backend->kind() == BackendKind::kCpu) {
+        std::cerr << " (auto: " << (cuda_backend_built() ? kernels::cuda_device_description() : "built without CUDA")
+                  << ")";
+      }
+      std::cerr << "\n";
+    }
     SweepOutput out = run_sweep(reader, points, so);
     bar.finish();
     // The Pareto front is over the policies; oracle rows are a bound, not a policy.

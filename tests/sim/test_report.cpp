@@ -186,7 +186,8 @@ TEST(Csv, RowsColumnsAndValues) {
   ASSERT_EQ(lines.size(), 1u + 4u * (3u + 1u) * (2u + 1u));
   EXPECT_EQ(lines[0],
             "policy,budget,layer,modality,bytes_full,bytes_kept,bytes_ratio,output_error,attention_recall,kl,"
-            "entropy_delta,flags,tokens,kept,merged,evicted,share_before,share_after,pareto,budget_value");
+            "entropy_delta,flags,tokens,kept,merged,evicted,share_before,share_after,pareto,budget_value,"
+            "bytes_full_end,bytes_end,bytes_peak,mode");
   const std::vector<std::string> header = split(lines[0]);
   auto col = [&](const std::string& name) {
     return static_cast<std::size_t>(std::find(header.begin(), header.end(), name) - header.begin());
@@ -210,6 +211,10 @@ TEST(Csv, RowsColumnsAndValues) {
   EXPECT_EQ(r[col("kept")], "48");
   EXPECT_EQ(r[col("evicted")], "112");
   EXPECT_EQ(r[col("pareto")], "1");
+  EXPECT_EQ(r[col("mode")], points[0].mode);
+  EXPECT_EQ(std::stoll(r[col("bytes_end")]), l1.total.bytes_end);  // per layer, repeated on modality rows
+  EXPECT_EQ(std::stoll(r[col("bytes_peak")]), l1.total.bytes_peak);
+  EXPECT_EQ(std::stoll(r[col("bytes_full_end")]), l1.total.bytes_full_end);
   EXPECT_EQ(split(lines[1 + 0 * 12 + 0 * 3 + 0])[col("flags")], "") << "h2o@0.3 layer 0 has no flag";
 
   const std::vector<std::string> a = split(lines[1 + 2 * 12 + 3 * 3 + 2]);  // random@0.3, all, all
@@ -311,7 +316,7 @@ TEST(Hdf5, RoundTripWithTheCApi) {
   H5 f{H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose};
   ASSERT_GE(f.id, 0);
   EXPECT_EQ(read_attr_string(f.id, "format"), "kvscope-results");
-  EXPECT_EQ(read_attr_string(f.id, "version"), "1.0");
+  EXPECT_EQ(read_attr_string(f.id, "version"), "1.1");
   EXPECT_EQ(read_attr_string(f.id, "model_name"), "tiny");
   EXPECT_EQ(read_attr_string(f.id, "created"), "2024-01-02T03:04:05Z");
   EXPECT_EQ(read_attr_string(f.id, "command_line"), sample_meta().command_line);

@@ -13,6 +13,7 @@
 
 #include "kvscope/kernels/evaluate.hpp"
 #include "kvscope/kernels/scores.hpp"
+#include "kvscope/sim/backend.hpp"
 #include "kvscope/sim/policy.hpp"
 #include "kvscope/sim/results.hpp"
 #include "kvscope/trace/reader.hpp"
@@ -32,6 +33,8 @@ struct TraceContext {
   std::vector<std::int32_t> grid_row, grid_col, segment;
   double complexity = 0;                         // log V + log T + 2 N_align / (T + V), set after layer 0
   bool complexity_known = false;
+  Backend* backend = &cpu_backend();             // kernels of the attention, evaluation, quantization, selection
+  std::vector<std::uint8_t> modality_all;        // [T + S] context modalities, then 0 (text) per decode token
 
   static TraceContext from_reader(const trace::TraceReader& reader);
   const kernels::NeighbourTable& neighbour_lists(int seq_radius, int grid_radius);
@@ -64,6 +67,22 @@ class LayerData {
   // shared by every policy point: probabilities [Hq, S, T], outputs [Hq, S, D], entropy, mass.
   const kernels::FullAttention& full_attention(bool proportional_attention);
 
+  // Causal evaluation (both modes): decode query s attends to the T context tokens and the decode
+  // tokens 0..s. Keys / values of every token, float32 [Hkv, T + S, D] (context, then decode).
+  const std::vector<float>& k_all();
+  const std::vector<float>& v_all();
+  // Decode queries by step, float32 [S, Hq, D]: the G query heads of kv head h at step s are
+  // contiguous at ((s * Hq) + h * G) * D.
+  const std::vector<float>& q_steps();
+  // Full attention of kv head h's query heads at step s over tokens 0 .. T + s (G rows).
+  // Requires prepare_steps() (or prepare()) first; it fills every step of the layer.
+  kernels::FullAttention full_step(int kv_head, int step);
+  void prepare_steps() {
+    if (!have_steps_) compute_full_steps();
+  }
+  // -||k|| of every token [Hkv, T + S] (decode-mode knorm scorer).
+  const std::vector<float>& key_norm_all();
+
  private:
   kernels::AttentionProblem problem() const;
   std::vector<float> reduce(const std::vector<float>& per_q_head) const;
@@ -77,8 +96,22 @@ class LayerData {
   std::vector<float> full_probs_, full_output_, full_entropy_, full_mass_;
   kernels::FullAttention full_{};
   bool have_full_ = false;
+  void compute_full_steps();
+  std::vector<float> kall_, vall_, qsteps_, knorm_all_;
+  std::vector<float> step_probs_, step_output_, step_entropy_, step_mass_;  // ragged by step
+  std::vector<std::size_t> step_probs_offset_;                            // [S] start of step s in step_probs_
+  bool have_steps_ = false;
   bool have_similarity_ = false;
 };
+
+// Decode-time mode (docs/policies.md): the cache starts with the context (all of it, or the
+// tokens a prefill pass at `prefill_keep` < 1 kept), each decode step appends its token, and
+// every policy.interval steps the policy evicts down to `cap_keep` of T tokens (>= 1: never).
+// Records LayerResult::steps; with record_tokens, token_maps hold the cache after the last step
+// (slot_token lists resident token ids: context t < T, decode step j as T + j).
+LayerResult run_decode_policy_on_layer(const PolicySpec& policy, double prefill_keep, double cap_keep,
+                                       LayerData& layer, TraceContext& ctx, std::vector<std::string>& warnings,
+                                       bool record_tokens = false);
 
 // UniCache layer schedule: compression rate (fraction removed) of a layer on a cosine
 // curve from cfg.rate_shallow (layer 0) to cfg.rate_deep (last layer), plus cfg.rate_offset.

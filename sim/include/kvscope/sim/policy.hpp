@@ -53,6 +53,18 @@ enum class ExecutorKind {
   kUniCache,      // redundancy d > merge threshold -> merge, else evict
 };
 
+// Budget of an eviction/merge stage.
+struct Budget {
+  enum class Kind { kNone, kFraction, kTokens, kBytes };
+  Kind kind = Kind::kNone;
+  double value = 1.0;  // fraction in (0, 1], tokens per layer and head, or total bytes
+  std::string text;    // as written ("0.3", "512tok", "64MiB", "-")
+};
+
+// When the policy runs: once on the prefill cache, or continuously during the decode steps
+// (docs/policies.md "Decode-time mode").
+enum class PolicyMode { kPrefill, kDecode };
+
 struct UniCacheConfig {
   float w_a = 0.4f, w_c = 0.3f, w_d = 0.2f, w_r = 0.1f;  // middle layers
   float shallow_w_d = 0.3f;   // first third of the layers
@@ -94,16 +106,14 @@ struct PolicySpec {
   std::uint64_t seed = 0;
   // kExplicit allocator: keep fraction of each modality's tokens, per layer ([num_layers][4]).
   std::vector<std::array<double, 4>> layer_modality_keep;
+  // Decode-time mode: every `interval` decode steps the cache is evicted down to `cap`.
+  // cap.kind == kNone: the point's budget is the cap (the cache starts with the full context);
+  // otherwise the point's budget, if any, compresses the context once after prefill.
+  PolicyMode mode = PolicyMode::kPrefill;
+  Budget cap;
+  int interval = 1;
   std::string description;       // one line, for --help and docs
   std::string source;            // paper / seed section
-};
-
-// Budget of an eviction/merge stage.
-struct Budget {
-  enum class Kind { kNone, kFraction, kTokens, kBytes };
-  Kind kind = Kind::kNone;
-  double value = 1.0;  // fraction in (0, 1], tokens per layer and head, or total bytes
-  std::string text;    // as written ("0.3", "512tok", "64MiB", "-")
 };
 
 // "0.3", "512tok", "64MiB", "1.5GB", "4096B". Throws PolicyError naming the text.
@@ -125,6 +135,14 @@ class PolicyRegistry {
  private:
   std::map<std::string, PolicySpec> specs_;
 };
+
+// Throws PolicyError when `policy` (in decode mode) uses a stage decode mode does not
+// support; `where` prefixes the message. Supported: scorers none, recency, h2o, snapkv, tova,
+// knorm, random; allocators uniform, pyramid; executor evict; no head merge, not adaptive.
+void check_decode_support(const PolicySpec& policy, const std::string& where);
+// The syntax of the decode suffix, for messages and --help.
+constexpr const char* kDecodeSuffixSyntax = "NAME~decode or NAME~decode:INTERVAL (INTERVAL a whole number >= 1), "
+                                            "e.g. h2o~decode@0.3, h2o+int8~decode:4@512tok";
 
 // The quantizer presets int8, int4, kivi2 as (key, value) specs.
 bool quantizer_preset(const std::string& name, kernels::QuantSpec* key, kernels::QuantSpec* value);

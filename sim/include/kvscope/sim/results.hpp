@@ -56,6 +56,19 @@ struct HeadResult {
   std::array<std::int64_t, kModalities> bytes_full_modality{};
   std::array<std::int64_t, kModalities> bytes_kept_modality{};  // overheads apportioned by slot count
   Quality quality;                    // mean over the query heads of this kv head and the queries
+  // The cache over the decode steps (context + appended decode tokens, all components):
+  std::int64_t bytes_full_end = 0;    // uncompressed cache after the last step, T + S tokens
+  std::int64_t bytes_end = 0;         // resident cache after the last step (after its eviction)
+  std::int64_t bytes_peak = 0;        // largest resident cache over the steps (after appending, before eviction)
+};
+
+// One decode step s of one layer (summed over its kv heads).
+struct DecodeStep {
+  bool eviction = false;            // decode mode: the policy ran at this step (s % interval == 0)
+  std::int32_t evicted = 0;         // tokens the policy evicted at this step, summed over kv heads
+  std::int32_t max_slots = 0;       // slots of the largest kv head after the step
+  std::int64_t bytes_before = 0;    // resident bytes after appending step s's token, before eviction
+  std::int64_t bytes_after = 0;     // resident bytes after the step's eviction
 };
 
 // What happened to each context token in one kv head (filled only on request, e.g. for kvview).
@@ -73,6 +86,7 @@ struct LayerResult {
   std::vector<TokenMap> token_maps;  // [num_kv_heads] when requested, else empty
   HeadResult total;               // sums over heads (bytes, counts), means (quality)
   int merged_heads = 0;           // kv heads after head merging (== num_kv_heads without it)
+  std::vector<DecodeStep> steps;  // [S] the cache at every decode step
 };
 
 // Collapse-mode flag (design.md "Collapse modes").
@@ -86,6 +100,7 @@ struct CollapseFlag {
 struct PointResult {
   std::string policy;      // canonical policy name, e.g. "h2o+int8"
   std::string budget;      // as given: "0.3", "512tok", "64MiB", or "-" for budget-free policies
+  std::string mode = "prefill";  // "prefill" or "decode" (docs/policies.md "Decode-time mode")
   double budget_value = 0; // fraction of tokens kept requested (after converting tok/bytes), 1 for "-"
   std::vector<LayerResult> layers;
   HeadResult total;        // all layers

@@ -56,6 +56,7 @@ struct SweepOptions {
   CollapseThresholds thresholds;
   OracleOptions oracle;
   std::function<void(std::size_t done, std::size_t total)> progress;
+  Backend* backend = nullptr;  // kernels to run on (select_backend); nullptr = the CPU backend
 };
 
 struct SweepOutput {

@@ -1,0 +1,324 @@
+// Decode-time mode: the cache evolves over the trace's decode steps. Each step appends
+// its token, decode query s is evaluated on the cache including that token, the policy's
+// statistics see the query, and every `interval` steps the cache is evicted down to the
+// cap (sinks and recent window forced). docs/policies.md "Decode-time mode".
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
+#include "evaluation.hpp"
+#include "kvscope/sim/engine.hpp"
+
+namespace kvscope::sim {
+
+namespace {
+
+void check(const kernels::Status& s, const char* what) {
+  if (!s.ok()) throw std::runtime_error(std::string(what) + ": " + s.message());
+}
+
+// Same hash as the prefill-mode random scorer, over token ids (decode token j is T + j).
+float random_score(std::uint64_t seed, int layer, int h, int t) {
+  std::uint64_t x = seed * 0x100000001b3ull ^ (static_cast<std::uint64_t>(layer) << 40) ^
+                    (static_cast<std::uint64_t>(h) << 24) ^ static_cast<std::uint64_t>(t);
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  x ^= x >> 31;
+  return static_cast<float>(x >> 40) / 16777216.0f;
+}
+
+// Bytes of one kv head's cache of K tokens (K and V, quantized when the policy quantizes).
+Bytes cache_bytes(const PolicySpec& p, int K, int D, kernels::DType dtype) {
+  Bytes b;
+  if (p.key_quant && K > 0) {
+    for (const kernels::QuantSpec* q : {&*p.key_quant, &*p.value_quant}) {
+      const auto qb = kernels::quantized_bytes(*q, 1, K, D, dtype);
+      b.kv += qb.codes;
+      b.scales += qb.scales;
+      b.zeros += qb.zeros;
+      b.residual += qb.residual;
+    }
+  } else {
+    b.kv = 2ll * K * D * static_cast<std::int64_t>(kernels::dtype_bytes(dtype));
+  }
+  return b;
+}
+
+struct HeadState {
+  std::vector<std::int32_t> tokens;  // resident token ids, ascending (context t < T, decode T + j)
+  std::vector<float> k, v;           // [tokens, D] float32, as captured
+  std::vector<float> acc;            // [T + S] accumulated attention by token id (H2O)
+  std::vector<std::int64_t> before, after;  // [S] resident bytes per step
+  std::vector<std::int32_t> evicted, slots;  // [S] tokens evicted, slots after the step
+  std::string error;
+  bool clamped = false;
+};
+
+}  // namespace
+
+LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep, double cap_keep, LayerData& L,
+                                       TraceContext& ctx, std::vector<std::string>& warnings, bool record_tokens) {
+  check_decode_support(p, "'" + p.name + "'");
+  const auto& g = ctx.geometry;
+  const int H = g.num_kv_heads, Hq = g.num_q_heads, G = g.group_size(), D = g.head_dim, T = ctx.T, S = ctx.S;
+  const int layer = L.layer();
+  const std::size_t N = static_cast<std::size_t>(T) + static_cast<std::size_t>(S);
+  if (S <= 0) throw std::runtime_error("no evaluation queries");
+  L.prepare_steps();
+  const auto& kall = L.k_all();
+  const auto& vall = L.v_all();
+  const auto& qs = L.q_steps();
+
+  // Starting cache: the whole context, or what a prefill pass at prefill_keep kept.
+  std::vector<HeadState> st(static_cast<std::size_t>(H));
+  if (prefill_keep < 1.0) {
+    PolicySpec pre = p;
+    pre.mode = PolicyMode::kPrefill;
+    pre.key_quant.reset();
+    pre.value_quant.reset();
+    const LayerResult r = run_policy_on_layer(pre, prefill_keep, L, ctx, warnings, true);
+    for (int h = 0; h < H; ++h) st[static_cast<std::size_t>(h)].tokens = r.token_maps[static_cast<std::size_t>(h)].slot_token;
+  } else {
+    for (auto& s : st) {
+      s.tokens.resize(static_cast<std::size_t>(T));
+      for (int t = 0; t < T; ++t) s.tokens[static_cast<std::size_t>(t)] = t;
+    }
+  }
+  // Cap of this layer in tokens per kv head (a cap of the whole context or more never evicts).
+  const bool unlimited = cap_keep >= 1.0;
+  int cap = T;
+  if (!unlimited) {
+    double frac = cap_keep;
+    if (p.allocator == AllocatorKind::kPyramid && g.num_layers > 1) {
+      frac = cap_keep * (1.0 + p.pyramid_spread * (1.0 - 2.0 * layer / (g.num_layers - 1)));
+    }
+    cap = std::clamp(static_cast<int>(std::lround(std::clamp(frac, 0.0, 1.0) * T)), 1, T);
+  }
+  const int recent = std::max(p.recent, static_cast<int>(std::lround(p.recent_fraction * cap)));
+  const std::vector<float>* prefill_h2o = p.scorer == ScorerKind::kH2O ? &L.h2o() : nullptr;
+  const std::vector<float>* knorm = p.scorer == ScorerKind::kKeyNorm ? &L.key_norm_all() : nullptr;
+
+  LayerResult res;
+  res.layer = layer;
+  res.merged_heads = H;
+  res.heads.resize(static_cast<std::size_t>(H));
+#pragma omp parallel for schedule(dynamic)
+  for (int h = 0; h < H; ++h) {
+    HeadState& hs = st[static_cast<std::size_t>(h)];
+    Quality& quality = res.heads[static_cast<std::size_t>(h)].quality;
+    hs.before.assign(static_cast<std::size_t>(S), 0);
+    hs.after.assign(static_cast<std::size_t>(S), 0);
+    hs.evicted.assign(static_cast<std::size_t>(S), 0);
+    hs.slots.assign(static_cast<std::size_t>(S), 0);
+    const float* kh = &kall[static_cast<std::size_t>(h) * N * D];
+    const float* vh = &vall[static_cast<std::size_t>(h) * N * D];
+    for (auto t : hs.tokens) {
+      hs.k.insert(hs.k.end(), kh + static_cast<std::size_t>(t) * D, kh + static_cast<std::size_t>(t + 1) * D);
+      hs.v.insert(hs.v.end(), vh + static_cast<std::size_t>(t) * D, vh + static_cast<std::size_t>(t + 1) * D);
+    }
+    hs.acc.assign(N, 0.0f);
+    if (prefill_h2o) std::copy_n(prefill_h2o->begin() + static_cast<std::ptrdiff_t>(h) * T, T, hs.acc.begin());
+    try {
+      std::vector<float> qk, qv, stat, scores;
+      std::vector<std::int32_t> t2s, idx;
+      std::vector<std::uint8_t> smod;
+      for (int s = 0; s < S; ++s) {
+        const int tok = T + s;
+        hs.tokens.push_back(tok);
+        hs.k.insert(hs.k.end(), kh + static_cast<std::size_t>(tok) * D, kh + static_cast<std::size_t>(tok + 1) * D);
+        hs.v.insert(hs.v.end(), vh + static_cast<std::size_t>(tok) * D, vh + static_cast<std::size_t>(tok + 1) * D);
+        int K = static_cast<int>(hs.tokens.size());
+        hs.before[static_cast<std::size_t>(s)] = cache_bytes(p, K, D, ctx.dtype).total();
+        // What the query attends to: the resident cache, dequantized when the policy quantizes.
+        const float* ek = hs.k.data();
+        const float* ev = hs.v.data();
+        if (p.key_quant) {
+          qk.resize(hs.k.size());
+          qv.resize(hs.v.size());
+          const kernels::QuantShape shape{1, K, D, kernels::DType::kF32};
+          check(ctx.backend->quantize_dequantize(*p.key_quant, shape, hs.k.data(), qk.data()), "quantize keys");
+          check(ctx.backend->quantize_dequantize(*p.value_quant, shape, hs.v.data(), qv.data()), "quantize values");
+          ek = qk.data();
+          ev = qv.data();
+        }
+        t2s.assign(static_cast<std::size_t>(tok) + 1, -1);
+        smod.resize(static_cast<std::size_t>(K));
+        for (int i = 0; i < K; ++i) {
+          t2s[static_cast<std::size_t>(hs.tokens[static_cast<std::size_t>(i)])] = i;
+          smod[static_cast<std::size_t>(i)] = ctx.modality_all[static_cast<std::size_t>(hs.tokens[static_cast<std::size_t>(i)])];
+        }
+        add_step_quality(L, ctx, h, s, StepCache{ek, ev, K, nullptr, smod.data(), t2s.data()}, p.proportional_attention,
+                         quality);
+        // Statistics of query s over the resident keys: one attention problem, G query heads.
+        kernels::AttentionProblem a;
+        a.q = &qs[(static_cast<std::size_t>(s) * Hq + static_cast<std::size_t>(h) * G) * D];
+        a.k = ek;
+        a.num_q_heads = G;
+        a.num_kv_heads = 1;
+        a.q_len = 1;
+        a.k_len = K;
+        a.head_dim = D;
+        a.dtype = kernels::DType::kF32;
+        a.causal = false;
+        auto sum_groups = [&](std::vector<float>& out) {
+          out.assign(static_cast<std::size_t>(K), 0.0f);
+          for (int j = 0; j < G; ++j)
+            for (int i = 0; i < K; ++i) out[static_cast<std::size_t>(i)] += stat[static_cast<std::size_t>(j) * K + i];
+        };
+        stat.resize(static_cast<std::size_t>(G) * K);
+        if (p.scorer == ScorerKind::kH2O) {
+          check(ctx.backend->accumulated_attention(a, kernels::QueryRange{0, -1}, stat.data()), "H2O attention");
+          sum_groups(scores);
+          for (int i = 0; i < K; ++i) hs.acc[static_cast<std::size_t>(hs.tokens[static_cast<std::size_t>(i)])] += scores[static_cast<std::size_t>(i)];
+        }
+        if (s % p.interval != 0 || unlimited || K <= cap) {
+          hs.after[static_cast<std::size_t>(s)] = hs.before[static_cast<std::size_t>(s)];
+          hs.slots[static_cast<std::size_t>(s)] = K;
+          continue;
+        }
+        switch (p.scorer) {
+          case ScorerKind::kH2O:
+            scores.resize(static_cast<std::size_t>(K));
+            for (int i = 0; i < K; ++i) scores[static_cast<std::size_t>(i)] = hs.acc[static_cast<std::size_t>(hs.tokens[static_cast<std::size_t>(i)])];
+            break;
+          case ScorerKind::kTOVA:
+            check(ctx.backend->tova_scores(a, stat.data()), "TOVA scores");
+            sum_groups(scores);
+            break;
+          case ScorerKind::kSnapKV: {
+            // Observation window: the last min(W, s + 1) decode queries, on the current keys.
+            const int wlen = std::min(p.snapkv.window, s + 1);
+            std::vector<float> qwin(static_cast<std::size_t>(G) * wlen * D);
+            for (int j = 0; j < G; ++j)
+              for (int i = 0; i < wlen; ++i)
+                std::copy_n(&qs[(static_cast<std::size_t>(s - wlen + 1 + i) * Hq + static_cast<std::size_t>(h) * G + j) * D], D,
+                            &qwin[(static_cast<std::size_t>(j) * wlen + i) * D]);
+            kernels::AttentionProblem aw = a;
+            aw.q = qwin.data();
+            aw.q_len = wlen;
+            kernels::SnapKVParams sp = p.snapkv;
+            sp.window = wlen;
+            check(ctx.backend->snapkv_scores(aw, sp, stat.data()), "SnapKV scores");
+            sum_groups(scores);
+            break;
+          }
+          case ScorerKind::kKeyNorm:
+            scores.resize(static_cast<std::size_t>(K));
+            for (int i = 0; i < K; ++i)
+              scores[static_cast<std::size_t>(i)] = (*knorm)[static_cast<std::size_t>(h) * N + static_cast<std::size_t>(hs.tokens[static_cast<std::size_t>(i)])];
+            break;
+          case ScorerKind::kRandom:
+            scores.resize(static_cast<std::size_t>(K));
+            for (int i = 0; i < K; ++i) scores[static_cast<std::size_t>(i)] = random_score(p.seed, layer, h, hs.tokens[static_cast<std::size_t>(i)]);
+            break;
+          default:  // none, recency: newest first
+            scores.resize(static_cast<std::size_t>(K));
+            for (int i = 0; i < K; ++i) scores[static_cast<std::size_t>(i)] = static_cast<float>(hs.tokens[static_cast<std::size_t>(i)]);
+            break;
+        }
+        kernels::SelectParams sel;
+        sel.num_sinks = static_cast<int>(std::count_if(hs.tokens.begin(), hs.tokens.end(), [&](std::int32_t t) { return t < p.sinks; }));
+        sel.recent_window = std::min(recent, K);
+        int forced = 0;
+        for (int i = 0; i < K; ++i) forced += (i < sel.num_sinks || i >= K - sel.recent_window) ? 1 : 0;
+        sel.k = std::max(cap, forced);
+        if (forced > cap) hs.clamped = true;
+        if (sel.k >= K) {
+          hs.after[static_cast<std::size_t>(s)] = hs.before[static_cast<std::size_t>(s)];
+          hs.slots[static_cast<std::size_t>(s)] = K;
+          continue;
+        }
+        idx.assign(static_cast<std::size_t>(sel.k), -1);
+        std::int32_t count = 0;
+        check(ctx.backend->select_topk(scores.data(), 1, K, sel, idx.data(), &count), "select");
+        std::vector<std::int32_t> tokens(static_cast<std::size_t>(count));
+        std::vector<float> nk(static_cast<std::size_t>(count) * D), nv(nk.size());
+        for (int i = 0; i < count; ++i) {
+          const std::size_t from = static_cast<std::size_t>(idx[static_cast<std::size_t>(i)]);
+          tokens[static_cast<std::size_t>(i)] = hs.tokens[from];
+          std::copy_n(&hs.k[from * D], D, &nk[static_cast<std::size_t>(i) * D]);
+          std::copy_n(&hs.v[from * D], D, &nv[static_cast<std::size_t>(i) * D]);
+        }
+        hs.evicted[static_cast<std::size_t>(s)] = K - count;
+        hs.tokens.swap(tokens);
+        hs.k.swap(nk);
+        hs.v.swap(nv);
+        K = count;
+        hs.after[static_cast<std::size_t>(s)] = cache_bytes(p, K, D, ctx.dtype).total();
+        hs.slots[static_cast<std::size_t>(s)] = K;
+      }
+    } catch (const std::exception& e) {
+      hs.error = e.what();
+    }
+  }
+  for (const auto& hs : st)
+    if (!hs.error.empty()) throw std::runtime_error(hs.error);
+  for (const auto& hs : st) {
+    if (hs.clamped) {
+      warnings.push_back("layer " + std::to_string(layer) + ": decode cap of " + std::to_string(cap) +
+                         " tokens is below the forced set (sinks + recent " + std::to_string(recent) +
+                         "); keeping the forced set");
+      break;
+    }
+  }
+  // Steps (summed over heads) and the per-head results at the end of decoding.
+  res.steps.resize(static_cast<std::size_t>(S));
+  for (int s = 0; s < S; ++s) {
+    DecodeStep& d = res.steps[static_cast<std::size_t>(s)];
+    d.eviction = !unlimited && s % p.interval == 0;
+    for (const auto& hs : st) {
+      d.bytes_before += hs.before[static_cast<std::size_t>(s)];
+      d.bytes_after += hs.after[static_cast<std::size_t>(s)];
+      d.evicted += hs.evicted[static_cast<std::size_t>(s)];
+      d.max_slots = std::max(d.max_slots, hs.slots[static_cast<std::size_t>(s)]);
+    }
+  }
+  const std::int64_t elem = static_cast<std::int64_t>(kernels::dtype_bytes(ctx.dtype));
+  for (int h = 0; h < H; ++h) {
+    const HeadState& hs = st[static_cast<std::size_t>(h)];
+    HeadResult& hr = res.heads[static_cast<std::size_t>(h)];
+    const int K = static_cast<int>(hs.tokens.size());
+    hr.kv_head = h;
+    hr.tokens = ctx.tokens;
+    hr.bytes_full.kv = 2ll * T * D * elem;
+    for (int m = 0; m < kModalities; ++m) hr.bytes_full_modality[static_cast<std::size_t>(m)] = ctx.tokens[static_cast<std::size_t>(m)] * 2ll * D * elem;
+    PerModalityCount slots_m{};
+    int context_slots = 0;
+    for (auto t : hs.tokens) {
+      if (t >= T) continue;
+      ++slots_m[ctx.modality[static_cast<std::size_t>(t)]];
+      ++context_slots;
+    }
+    const Bytes end = cache_bytes(p, K, D, ctx.dtype);
+    // The context's share of the final cache, by slot count (decode tokens hold the rest).
+    const double share = K ? static_cast<double>(context_slots) / K : 0.0;
+    auto part = [&](std::int64_t x) { return static_cast<std::int64_t>(std::llround(static_cast<double>(x) * share)); };
+    hr.bytes_kept = Bytes{part(end.kv), part(end.scales), part(end.zeros), part(end.residual), 0, 0};
+    for (int m = 0; m < kModalities; ++m) {
+      const auto i = static_cast<std::size_t>(m);
+      hr.kept[i] = slots_m[i];
+      hr.evicted[i] = ctx.tokens[i] - slots_m[i];
+      hr.bytes_kept_modality[i] = K ? static_cast<std::int64_t>(std::llround(static_cast<double>(end.total()) * slots_m[i] / K)) : 0;
+    }
+    hr.bytes_full_end = 2ll * static_cast<std::int64_t>(N) * D * elem;
+    hr.bytes_end = end.total();
+    hr.bytes_peak = *std::max_element(hs.before.begin(), hs.before.end());
+    if (record_tokens) {
+      TokenMap tm;
+      tm.slot.assign(static_cast<std::size_t>(T), -1);
+      for (int i = 0; i < K; ++i) {
+        const auto t = hs.tokens[static_cast<std::size_t>(i)];
+        if (t < T) tm.slot[static_cast<std::size_t>(t)] = i;
+      }
+      tm.slot_token = hs.tokens;
+      tm.state.resize(static_cast<std::size_t>(T));
+      for (int t = 0; t < T; ++t) tm.state[static_cast<std::size_t>(t)] = tm.slot[static_cast<std::size_t>(t)] >= 0 ? 1 : 0;
+      tm.quant_bits = p.key_quant ? p.key_quant->bits : 0;
+      res.token_maps.push_back(std::move(tm));
+    }
+  }
+  return res;
+}
+
+}  // namespace kvscope::sim
