@@ -1,10 +1,11 @@
-// kvcap: the capture-side command line. Subcommands: synth, validate.
+// kvcap: the capture-side command line. Subcommands: synth, validate, export-chrome.
 #include <boost/program_options.hpp>
 
 #include <cstdio>
 #include <iostream>
 #include <string>
 
+#include "export_chrome_command.hpp"
 #include "kvscope/cli/progress.hpp"
 #include "kvscope/synth/synth.hpp"
 #include "kvscope/trace/validate.hpp"
@@ -22,7 +23,8 @@ void print_usage(std::ostream& os) {
         "Usage: kvcap <command> [options]\n\n"
         "Commands:\n"
         "  synth      write a deterministic synthetic trace with the geometry of a known model\n"
-        "  validate   check that a file is a valid, complete kvscope trace (exit 0 valid, 2 not)\n\n"
+        "  validate   check that a file is a valid, complete kvscope trace (exit 0 valid, 2 not)\n"
+        "  export-chrome  write a trace's /profile ranges and kernels as Chrome/Perfetto trace JSON\n\n"
         "Run 'kvcap <command> --help' for the options of a command.\n"
         "Trace format: docs/trace-format.md. Synthetic structure: docs/synthetic-traces.md.\n";
 }
@@ -165,7 +167,9 @@ int main(int argc, char** argv) {
     }
     if (cmd == "synth") return cmd_synth(rest);
     if (cmd == "validate") return cmd_validate(rest);
-    std::cerr << "kvcap: unknown command '" << cmd << "' (valid: synth, validate; see kvcap --help)\n";
+    if (cmd == "export-chrome") return cli::export_chrome_command(rest);
+    std::cerr << "kvcap: unknown command '" << cmd
+              << "' (valid: synth, validate, export-chrome; see kvcap --help)\n";
     return kExitError;
   } catch (const std::exception& e) {
     std::cerr << "kvcap " << cmd << ": " << e.what() << "\n";

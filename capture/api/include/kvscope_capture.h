@@ -152,7 +152,7 @@ KVSCOPE_CAPTURE_API void kvscope_capture_abort(kvscope_capture* c);
 typedef struct kvscope_capture_stats {
   uint32_t struct_size;
   uint64_t queue_bytes_bound; /* the effective config.queue_bytes */
-  uint64_t queue_bytes_peak;  /* most staged bytes in flight at once (a call larger than the bound passes alone) */
+  uint64_t queue_bytes_peak;  /* most staged bytes in flight at once (a larger call passes alone) */
   uint64_t queue_waits;       /* recording calls that waited for the writer (back-pressure) */
   uint64_t tensors_written;   /* tensors the writer converted and wrote (or kept for /decode) */
   uint64_t layers_written;    /* prefill layers on disk */

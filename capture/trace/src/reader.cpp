@@ -163,6 +163,12 @@ struct TraceReader::Impl {
         ctx.fail(ErrorKind::kDType, "/@dtype", "says '" + d + "' but tensors are " + kernels::dtype_name(header.dtype));
       }
     }
+    // A writer that stopped before /tokens (a live capture records layers as they come) left
+    // the layers' T as the only record of the context length.
+    if (!header.complete && !h5::exists(file, "/tokens/modality")) {
+      const std::vector<hsize_t> ks = h5::dataset_shape(ctx, file, layer_group_name(0) + "/k");
+      if (ks.size() == 3) T = ks[1];
+    }
     // An incomplete trace (its writer stopped) is described up to the first missing group.
     for (int l = 0; l < g.num_layers; ++l) {
       const std::string lg = layer_group_name(l);

@@ -291,6 +291,26 @@ void TraceWriter::write_profile(const Profile& p) {
   m.profile_written = true;
 }
 
+void TraceWriter::set_num_decode_steps(std::size_t num_decode_steps) {
+  Impl& m = *impl_;
+  if (m.closed) m.ctx.fail(ErrorKind::kUsage, "/decode", "set_num_decode_steps after close()");
+  const bool any_decode_layer =
+      std::find(m.decode_written.begin(), m.decode_written.end(), true) != m.decode_written.end();
+  const bool any_decode = m.decode_tokens_written || any_decode_layer;
+  if (any_decode && num_decode_steps != m.S) {
+    m.ctx.fail(ErrorKind::kUsage, "/decode", "set_num_decode_steps after /decode data was written");
+  }
+  m.S = num_decode_steps;
+}
+
+std::size_t TraceWriter::num_decode_steps() const { return impl_->S; }
+
+void TraceWriter::flush() {
+  Impl& m = *impl_;
+  if (m.closed) return;
+  m.ctx.check(H5Fflush(m.file, H5F_SCOPE_GLOBAL), "", "H5Fflush");
+}
+
 void TraceWriter::close() {
   Impl& m = *impl_;
   if (m.closed) return;

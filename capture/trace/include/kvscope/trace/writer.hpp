@@ -18,7 +18,8 @@ struct WriterOptions {
 class TraceWriter {
  public:
   // Creates (truncates) `path` and writes the root attributes with complete = 0.
-  // num_decode_steps is S, the number of generated tokens recorded under /decode.
+  // num_decode_steps is S, the number of generated tokens recorded under /decode; a writer that
+  // learns S only at the end (a live capture) passes 0 and calls set_num_decode_steps() later.
   TraceWriter(const std::string& path, const TraceHeader& header, std::size_t context_tokens,
               std::size_t num_decode_steps, WriterOptions options = {});
   ~TraceWriter();  // closes the file without marking it complete unless close() was called
@@ -38,6 +39,13 @@ class TraceWriter {
                            const std::vector<std::string>& text = {});
   // /profile/kernels and /profile/ranges (may be empty).
   void write_profile(const Profile& profile);
+
+  // Sets S. Allowed until the first /decode tensor or /decode/tokens is written (kUsage otherwise).
+  void set_num_decode_steps(std::size_t num_decode_steps);
+  std::size_t num_decode_steps() const;
+  // Flushes what was written so far to disk, so that a crash later leaves a readable
+  // (incomplete) trace holding it.
+  void flush();
 
   // Checks that every required part was written, sets complete = 1 and closes.
   // Throws TraceError (kUsage) naming what is missing; the file stays incomplete.
