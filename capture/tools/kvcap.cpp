@@ -1,4 +1,4 @@
-// kvcap: the capture-side command line. Subcommands: synth, validate, export-chrome.
+// kvcap: the capture-side command line. Subcommands: synth, validate, run.
 #include <boost/program_options.hpp>
 
 #include <cstdio>
@@ -9,6 +9,7 @@
 #include "kvscope/cli/progress.hpp"
 #include "kvscope/synth/synth.hpp"
 #include "kvscope/trace/validate.hpp"
+#include "run_command.hpp"
 
 namespace po = boost::program_options;
 using namespace kvscope;
@@ -24,7 +25,8 @@ void print_usage(std::ostream& os) {
         "Commands:\n"
         "  synth      write a deterministic synthetic trace with the geometry of a known model\n"
         "  validate   check that a file is a valid, complete kvscope trace (exit 0 valid, 2 not)\n"
-        "  export-chrome  write a trace's /profile ranges and kernels as Chrome/Perfetto trace JSON\n\n"
+        "  export-chrome  write a trace's /profile ranges and kernels as Chrome/Perfetto trace JSON\n"
+        "  run        run the reference model (tiny VLM) on images + a question and capture a trace\n\n"
         "Run 'kvcap <command> --help' for the options of a command.\n"
         "Trace format: docs/trace-format.md. Synthetic structure: docs/synthetic-traces.md.\n";
 }
@@ -168,8 +170,9 @@ int main(int argc, char** argv) {
     if (cmd == "synth") return cmd_synth(rest);
     if (cmd == "validate") return cmd_validate(rest);
     if (cmd == "export-chrome") return cli::export_chrome_command(rest);
+    if (cmd == "run") return cli::run_command(rest);
     std::cerr << "kvcap: unknown command '" << cmd
-              << "' (valid: synth, validate, export-chrome; see kvcap --help)\n";
+              << "' (valid: synth, validate, export-chrome, run; see kvcap --help)\n";
     return kExitError;
   } catch (const std::exception& e) {
     std::cerr << "kvcap " << cmd << ": " << e.what() << "\n";

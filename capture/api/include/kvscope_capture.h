@@ -145,7 +145,8 @@ KVSCOPE_CAPTURE_API int kvscope_capture_range_pop(kvscope_capture* c);
  * trace is the number of steps recorded (every layer must have the same). */
 KVSCOPE_CAPTURE_API int kvscope_capture_close(kvscope_capture* c);
 
-/* Stops the writer and frees the handle without marking the trace complete. */
+/* Writes the tensors already recorded, stops the writer and frees the handle without marking the trace
+ * complete (the file is left for post-mortem inspection; delete it if it is not wanted). */
 KVSCOPE_CAPTURE_API void kvscope_capture_abort(kvscope_capture* c);
 
 /* Counters of a capture, for tests and tuning. Set struct_size = sizeof(kvscope_capture_stats). */

@@ -217,7 +217,9 @@ void Session::close() {
 }
 
 void Session::abort() noexcept {
-  stop_writer(true);
+  // Tensors already recorded are still written (a post-mortem trace holds everything the run
+  // handed over); only the completeness mark is withheld.
+  stop_writer(false);
   stager_.reset();  // synchronizes the side stream before freeing pinned memory
   writer_.reset();  // closes the file with complete = 0
 }

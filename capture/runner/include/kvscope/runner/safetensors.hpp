@@ -1,0 +1,49 @@
+// A reader for the safetensors format: 8-byte little-endian header length, a JSON header mapping tensor
+// names to {dtype, shape, data_offsets}, then the raw data. F32, F16 and BF16 are converted to float32.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace kvscope::runner {
+
+enum class StDType { kF32, kF16, kBF16, kI32, kI64, kU8 };
+
+struct StTensorInfo {
+  StDType dtype = StDType::kF32;
+  std::vector<std::int64_t> shape;
+  std::uint64_t begin = 0, end = 0;  // byte offsets into the data section
+  std::int64_t numel() const;
+};
+
+class SafetensorsFile {
+ public:
+  // Reads the whole file. Throws RunnerError(kModel) naming the file for a missing or truncated file, a
+  // bad header, an unknown dtype or offsets outside the data section.
+  explicit SafetensorsFile(const std::string& path);
+
+  const std::string& path() const { return path_; }
+  bool contains(const std::string& name) const { return tensors_.count(name) != 0; }
+  const std::map<std::string, StTensorInfo>& tensors() const { return tensors_; }
+  // The header's "__metadata__" (string -> string); empty when absent.
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  const StTensorInfo& info(const std::string& name) const;  // throws naming the missing tensor
+  // The tensor converted to float32 (F32/F16/BF16/I32/I64/U8), row-major.
+  std::vector<float> to_f32(const std::string& name) const;
+  // As to_f32, after checking the shape; the error names tensor, expected and actual shape.
+  std::vector<float> to_f32(const std::string& name, const std::vector<std::int64_t>& expected_shape) const;
+  // Integer tensors (I32/I64/U8) as int64.
+  std::vector<std::int64_t> to_i64(const std::string& name) const;
+
+ private:
+  std::string path_;
+  std::vector<std::uint8_t> data_;  // the data section
+  std::map<std::string, StTensorInfo> tensors_;
+  std::map<std::string, std::string> metadata_;
+};
+
+std::string shape_string(const std::vector<std::int64_t>& shape);
+
+}  // namespace kvscope::runner

@@ -1,0 +1,41 @@
+// The tiny VLM's weights in float32, checked against the config (names and shapes of the spec).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "kvscope/runner/config.hpp"
+
+namespace kvscope::runner {
+
+class SafetensorsFile;
+
+struct LayerWeights {
+  std::vector<float> input_norm;    // [d]
+  std::vector<float> wq;            // [Hq*Dh, d]
+  std::vector<float> wk, wv;        // [Hkv*Dh, d]
+  std::vector<float> wo;            // [d, Hq*Dh]
+  std::vector<float> post_norm;     // [d]
+  std::vector<float> w_gate, w_up;  // [I, d]
+  std::vector<float> w_down;        // [d, I]
+};
+
+struct ModelWeights {
+  std::vector<float> patch_embed_w;  // [Dv, C*P*P]
+  std::vector<float> patch_embed_b;  // [Dv]
+  std::vector<float> pos_embed;      // [Np, Dv]
+  std::vector<float> proj0_w;        // [d, Dv]
+  std::vector<float> proj0_b;        // [d]
+  std::vector<float> proj2_w;        // [d, d]
+  std::vector<float> proj2_b;        // [d]
+  std::vector<float> embed_tokens;   // [V, d]
+  std::vector<LayerWeights> layers;
+  std::vector<float> final_norm;  // [d]
+  std::vector<float> lm_head;     // [V, d]
+};
+
+// Reads every weight of the spec from `file`. Throws RunnerError(kModel) naming the tensor and the
+// expected and actual shapes for a missing or mismatched tensor.
+ModelWeights load_weights(const SafetensorsFile& file, const ModelConfig& config);
+
+}  // namespace kvscope::runner

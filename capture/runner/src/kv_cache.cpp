@@ -1,0 +1,83 @@
+// KV cache slot lists.
+#include "kvscope/runner/kv_cache.hpp"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+namespace kvscope::runner {
+
+void HeadCache::append(const float* key, const float* value, float bias, const SlotInfo& info) {
+  keys_.insert(keys_.end(), key, key + head_dim_);
+  values_.insert(values_.end(), value, value + head_dim_);
+  bias_.push_back(bias);
+  info_.push_back(info);
+  ++version_;
+}
+
+void HeadCache::keep(const std::vector<bool>& mask) {
+  if (mask.size() != info_.size()) {
+    throw std::invalid_argument("HeadCache::keep: mask has " + std::to_string(mask.size()) + " entries for " +
+                                std::to_string(info_.size()) + " slots");
+  }
+  const std::size_t dh = static_cast<std::size_t>(head_dim_);
+  std::size_t out = 0;
+  for (std::size_t s = 0; s < mask.size(); ++s) {
+    if (!mask[s]) continue;
+    if (out != s) {
+      std::copy_n(keys_.begin() + static_cast<std::ptrdiff_t>(s * dh), dh,
+                  keys_.begin() + static_cast<std::ptrdiff_t>(out * dh));
+      std::copy_n(values_.begin() + static_cast<std::ptrdiff_t>(s * dh), dh,
+                  values_.begin() + static_cast<std::ptrdiff_t>(out * dh));
+      bias_[out] = bias_[s];
+      info_[out] = info_[s];
+    }
+    ++out;
+  }
+  keys_.resize(out * dh);
+  values_.resize(out * dh);
+  bias_.resize(out);
+  info_.resize(out);
+  ++version_;
+}
+
+void HeadCache::set_slot(int s, const float* key, const float* value, float bias, std::int32_t multiplicity) {
+  if (s < 0 || s >= size()) throw std::out_of_range("HeadCache::set_slot: slot " + std::to_string(s));
+  std::copy_n(key, head_dim_, mutable_key(s));
+  std::copy_n(value, head_dim_, mutable_value(s));
+  bias_[static_cast<std::size_t>(s)] = bias;
+  info_[static_cast<std::size_t>(s)].multiplicity = multiplicity;
+  ++version_;
+}
+
+float* HeadCache::mutable_key(int s) {
+  ++version_;
+  return keys_.data() + static_cast<std::size_t>(s) * static_cast<std::size_t>(head_dim_);
+}
+
+float* HeadCache::mutable_value(int s) {
+  ++version_;
+  return values_.data() + static_cast<std::size_t>(s) * static_cast<std::size_t>(head_dim_);
+}
+
+KvCache::KvCache(int num_layers, int num_kv_heads, int head_dim)
+    : num_layers_(num_layers), num_kv_heads_(num_kv_heads), head_dim_(head_dim) {
+  heads_.assign(static_cast<std::size_t>(num_layers) * static_cast<std::size_t>(num_kv_heads),
+                HeadCache(head_dim));
+}
+
+HeadCache& KvCache::head(int layer, int kv_head) {
+  return heads_[static_cast<std::size_t>(layer * num_kv_heads_ + kv_head)];
+}
+
+const HeadCache& KvCache::head(int layer, int kv_head) const {
+  return heads_[static_cast<std::size_t>(layer * num_kv_heads_ + kv_head)];
+}
+
+std::int64_t KvCache::total_slots() const {
+  std::int64_t n = 0;
+  for (const auto& h : heads_) n += h.size();
+  return n;
+}
+
+}  // namespace kvscope::runner

@@ -1,0 +1,295 @@
+// kvcap run: loads a model directory, builds the prompt from PNG images or procedural scenes and a question,
+// generates greedily and records prefill Q/K/V, decode steps and ranges into a trace via the capture C API.
+#include "run_command.hpp"
+
+#include <boost/program_options.hpp>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <optional>
+#include <sstream>
+
+#include "kvscope/kernels/common.hpp"
+#include "kvscope/runner/error.hpp"
+#include "kvscope/runner/model.hpp"
+#include "kvscope_capture.h"
+
+namespace kvscope::cli {
+namespace {
+
+namespace po = boost::program_options;
+using runner::RunnerError;
+
+constexpr int kExitOk = 0;
+constexpr int kExitError = 2;
+
+int fail(const std::string& msg) {
+  std::cerr << "kvcap run: " << msg << "\n";
+  return kExitError;
+}
+
+// A failed capture call: the C API's one-line message.
+class CaptureFailure : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+void check(int status, const char* what) {
+  if (status != KVSCOPE_OK) {
+    throw CaptureFailure(std::string(what) + ": " + kvscope_capture_last_error());
+  }
+}
+
+kvscope_tensor to_c(const runner::TensorRef& r) {
+  kvscope_tensor t{};
+  t.data = r.data;
+  t.dtype = KVSCOPE_F32;
+  t.memory = r.device ? KVSCOPE_DEVICE : KVSCOPE_HOST;
+  for (int i = 0; i < 3; ++i) {
+    t.shape[i] = r.shape[i];
+    t.stride[i] = r.stride[i];
+  }
+  return t;
+}
+
+// Forwards the runner's reports to an open capture. Range pops come from destructors, so their failures are
+// kept and rethrown by the next call (or by finish()).
+class CaptureObserver final : public runner::RunObserver {
+ public:
+  CaptureObserver(kvscope_capture* c, const runner::Vocabulary& vocab) : c_(c), vocab_(vocab) {}
+  void on_prefill_layer(int layer, const runner::TensorRef& q, const runner::TensorRef& k,
+                        const runner::TensorRef& v) override {
+    rethrow();
+    const kvscope_tensor tq = to_c(q), tk = to_c(k), tv = to_c(v);
+    check(kvscope_capture_prefill_layer(c_, layer, &tq, &tk, &tv), "recording a prefill layer");
+  }
+  void on_decode_layer(int layer, int step, const runner::TensorRef& q, const runner::TensorRef& k,
+                       const runner::TensorRef& v) override {
+    rethrow();
+    const kvscope_tensor tq = to_c(q), tk = to_c(k), tv = to_c(v);
+    check(kvscope_capture_decode_layer(c_, layer, step, &tq, &tk, &tv), "recording a decode step");
+  }
+  void on_decode_token(int step, std::int32_t token_id, std::int32_t position) override {
+    rethrow();
+    check(kvscope_capture_decode_token(c_, step, token_id, position, vocab_.text(token_id).c_str()),
+          "recording a decode token");
+  }
+  void range_push(const char* name) override {
+    rethrow();
+    check(kvscope_capture_range_push(c_, name), "range push");
+  }
+  void range_pop() override {
+    const int status = kvscope_capture_range_pop(c_);
+    if (status != KVSCOPE_OK && error_.empty())
+      error_ = std::string("range pop: ") + kvscope_capture_last_error();
+  }
+  void rethrow() const {
+    if (!error_.empty()) throw CaptureFailure(error_);
+  }
+
+ private:
+  kvscope_capture* c_;
+  const runner::Vocabulary& vocab_;
+  std::string error_;
+};
+
+std::vector<std::uint64_t> parse_seeds(const std::string& text) {
+  std::vector<std::uint64_t> seeds;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    std::size_t used = 0;
+    unsigned long long v = 0;
+    bool ok = !item.empty() && item.find_first_not_of("0123456789") == std::string::npos;
+    if (ok) {
+      try {
+        v = std::stoull(item, &used, 10);
+      } catch (const std::exception&) {
+        ok = false;
+      }
+    }
+    if (!ok || used != item.size()) {
+      throw std::invalid_argument("--scene '" + text + "': '" + item +
+                                  "' is not an unsigned 64-bit seed (use SEED or SEED1,SEED2)");
+    }
+    seeds.push_back(v);
+  }
+  if (seeds.empty() || seeds.size() > 2) {
+    throw std::invalid_argument("--scene '" + text + "': give one or two seeds (SEED or SEED1,SEED2)");
+  }
+  return seeds;
+}
+
+po::options_description make_options() {
+  po::options_description opts(
+      "kvcap run --model DIR (--image PNG [--image PNG2] | --scene SEED[,SEED2]) --question TEXT -o FILE\n\n"
+      "Runs the reference model (a kvscope tiny VLM directory: config.json, model.safetensors, vocab.json)\n"
+      "on one or two images and a question, generates the answer greedily (prefill, then each generated\n"
+      "token fed back until <eos> or --max-new tokens) and captures the run into a trace: per layer the\n"
+      "prefill Q, K (after RoPE) and V, per decode step the fed token's Q/K/V, token labels (special,\n"
+      "vision with patch grid and image index, text) and steady-clock ranges per layer, attention and MLP.\n"
+      "Prints the answer and the prefill/decode times on stdout. The trace is marked complete only when\n"
+      "the run succeeded; on any error the partial file is removed and the exit status is 2.\n\nOptions");
+  opts.add_options()("help,h", "show this help")("model", po::value<std::string>(),
+                                                 "model directory (e.g. traces/models/tiny-shapes)")(
+      "image", po::value<std::vector<std::string>>(),
+      "PNG image of the model's size (64x64 RGB); repeat for two")(
+      "scene", po::value<std::string>(), "procedural scene seed(s) instead of images: SEED or SEED1,SEED2")(
+      "question", po::value<std::string>(),
+      "the question, in the model's vocabulary (e.g. \"how many shapes ?\")")(
+      "max-new", po::value<int>()->default_value(16), "at most this many generated tokens (1..256)")(
+      "device", po::value<std::string>()->default_value("cpu"),
+      "cpu or cuda (cuda needs a GPU build and a GPU)")("threads", po::value<int>()->default_value(0),
+                                                        "CPU threads (0 = all cores)")(
+      "dtype", po::value<std::string>()->default_value("float32"),
+      "tensor dtype in the trace: float32, float16, bfloat16")("output,o", po::value<std::string>(),
+                                                               "output trace file (.h5)");
+  return opts;
+}
+
+}  // namespace
+
+int run_command(const std::vector<std::string>& args) {
+  const po::options_description opts = make_options();
+  po::variables_map vm;
+  try {
+    po::store(po::command_line_parser(args).options(opts).run(), vm);
+    po::notify(vm);
+  } catch (const po::error& e) {
+    return fail(std::string(e.what()) + " (see kvcap run --help)");
+  }
+  if (vm.count("help")) {
+    std::cout << opts
+              << "\nExamples:\n"
+                 "  kvcap run --model traces/models/tiny-shapes --scene 7 --question \"how many shapes ?\" "
+                 "-o t.h5\n"
+                 "  kvcap run --model traces/models/tiny-shapes --scene 3,8 \\\n"
+                 "      --question \"which image has more shapes ?\" --max-new 8 -o two.h5\n"
+                 "  kvcap run --model DIR --image a.png --question \"what color is the circle ?\" -o a.h5\n";
+    return kExitOk;
+  }
+  for (const char* required : {"model", "question", "output"}) {
+    if (!vm.count(required)) return fail(std::string("missing --") + required + " (see kvcap run --help)");
+  }
+  const bool has_image = vm.count("image") != 0, has_scene = vm.count("scene") != 0;
+  if (has_image == has_scene) {
+    return fail(has_image ? "give either --image or --scene, not both"
+                          : "give --image PNG or --scene SEED (see kvcap run --help)");
+  }
+  const int max_new = vm["max-new"].as<int>();
+  if (max_new < 1 || max_new > 256)
+    return fail("--max-new must be in 1..256, got " + std::to_string(max_new));
+  const std::string device_name = vm["device"].as<std::string>();
+  if (device_name != "cpu" && device_name != "cuda")
+    return fail("--device '" + device_name + "' is not cpu or cuda");
+  const int threads = vm["threads"].as<int>();
+  if (threads < 0) return fail("--threads must not be negative");
+  const std::string dtype_name = vm["dtype"].as<std::string>();
+  kvscope_dtype dtype = KVSCOPE_F32;
+  if (dtype_name == "float16" || dtype_name == "fp16") {
+    dtype = KVSCOPE_F16;
+  } else if (dtype_name == "bfloat16" || dtype_name == "bf16") {
+    dtype = KVSCOPE_BF16;
+  } else if (dtype_name != "float32" && dtype_name != "fp32") {
+    return fail("--dtype '" + dtype_name + "' is not one of float32, float16, bfloat16");
+  }
+  const std::string out = vm["output"].as<std::string>();
+  const std::string question = vm["question"].as<std::string>();
+  if (question.find_first_not_of(" \t\r\n") == std::string::npos) return fail("--question is empty");
+  kernels::set_cpu_threads(threads);
+
+  // Everything that can be checked is checked before the output file is created.
+  std::optional<runner::Model> model;
+  runner::Prompt prompt;
+  try {
+    model.emplace(runner::Model::load(vm["model"].as<std::string>(),
+                                      device_name == "cuda" ? runner::Device::kCuda : runner::Device::kCpu));
+    const auto& vc = model->config().vision;
+    std::vector<runner::Image> images;
+    if (has_scene) {
+      for (std::uint64_t seed : parse_seeds(vm["scene"].as<std::string>()))
+        images.push_back(runner::render_scene(seed).image);
+    } else {
+      const auto paths = vm["image"].as<std::vector<std::string>>();
+      if (paths.size() > 2) return fail("at most two --image");
+      for (const auto& p : paths) images.push_back(runner::load_image(p, vc.image_size, vc.image_size));
+    }
+    prompt = model->build_prompt(images, question);
+  } catch (const RunnerError& e) {
+    return fail(e.what());
+  } catch (const std::invalid_argument& e) {
+    return fail(e.what());
+  }
+
+  const runner::ModelConfig& mc = model->config();
+  kvscope_capture_config cfg{};
+  cfg.struct_size = sizeof(cfg);
+  cfg.num_layers = mc.num_layers;
+  cfg.num_q_heads = mc.num_q_heads;
+  cfg.num_kv_heads = mc.num_kv_heads;
+  cfg.head_dim = mc.head_dim;
+  cfg.rope_theta = mc.rope_base();
+  cfg.model_name = mc.model_name.c_str();
+  const std::string device_label = model->backend().device_name();
+  cfg.device = device_label.c_str();
+  cfg.dtype = dtype;
+  cfg.max_decode_steps = max_new;
+  cfg.profile = 1;
+  kvscope_capture* cap = nullptr;
+  if (kvscope_capture_open(out.c_str(), &cfg, prompt.size(), &cap) != KVSCOPE_OK) {
+    const std::string msg = kvscope_capture_last_error();
+    std::error_code ec;
+    if (std::filesystem::exists(out, ec)) std::filesystem::remove(out, ec);
+    return fail(out + ": cannot create the trace (" + msg + ")");
+  }
+  runner::Generation gen;
+  try {
+    const std::size_t t = static_cast<std::size_t>(prompt.size());
+    std::vector<std::uint8_t> modality(t);
+    std::vector<std::int32_t> position(t), token_id(t), segment(t), grid_row(t), grid_col(t);
+    std::vector<const char*> text(t);
+    for (std::size_t i = 0; i < t; ++i) {
+      const runner::TokenInfo& tok = prompt.tokens[i];
+      modality[i] = tok.modality;
+      position[i] = tok.position;
+      token_id[i] = tok.token_id;
+      segment[i] = tok.segment;
+      grid_row[i] = tok.grid_row;
+      grid_col[i] = tok.grid_col;
+      text[i] = prompt.text[i].c_str();
+    }
+    check(kvscope_capture_set_tokens(cap, modality.data(), position.data(), token_id.data(), segment.data(),
+                                     grid_row.data(), grid_col.data(), text.data()),
+          "setting tokens");
+    CaptureObserver observer(cap, model->vocab());
+    runner::GenerateOptions gopt;
+    gopt.max_new = max_new;
+    gopt.observer = &observer;
+    gen = model->generate(prompt, gopt);
+    observer.rethrow();
+  } catch (const std::exception& e) {
+    kvscope_capture_abort(cap);
+    std::error_code ec;
+    std::filesystem::remove(out, ec);
+    return fail(e.what());
+  }
+  if (kvscope_capture_close(cap) != KVSCOPE_OK) {
+    const std::string msg = kvscope_capture_last_error();
+    std::error_code ec;
+    std::filesystem::remove(out, ec);
+    return fail(out + ": closing the trace failed (" + msg + ")");
+  }
+  const double prefill_tps = gen.prefill_ms > 0 ? prompt.size() / gen.prefill_ms * 1e3 : 0;
+  const double decode_tps = gen.decode_ms > 0 ? gen.decode_steps / gen.decode_ms * 1e3 : 0;
+  std::printf("answer: %s\n", gen.text.c_str());
+  std::printf(
+      "prefill: %d tokens in %.2f ms (%.0f tokens/s); decode: %d steps in %.2f ms (%.0f tokens/s); "
+      "device %s\n",
+      prompt.size(), gen.prefill_ms, prefill_tps, gen.decode_steps, gen.decode_ms, decode_tps,
+      device_label.c_str());
+  std::printf("wrote %s: %d context tokens, %d decode steps, %d layers, %s\n", out.c_str(), prompt.size(),
+              gen.decode_steps, mc.num_layers, dtype_name.c_str());
+  return kExitOk;
+}
+
+}  // namespace kvscope::cli

@@ -1,0 +1,303 @@
+// The CPU runner against the PyTorch reference (logits, generation, layer-0 Q/K/V), KV-cache decode against
+// full recompute, and the cache hook (no-op, eviction, merge bias).
+#include <cmath>
+
+#include "kvscope/runner/error.hpp"
+#include "kvscope/runner/model.hpp"
+#include "runner_test_util.hpp"
+
+namespace kvscope::runner {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::max_abs_diff;
+
+constexpr float kTol = 1e-3f;
+
+int reference_max_new(const SafetensorsFile& ref) { return std::stoi(ref.metadata().at("max_new")); }
+
+// Records layer-0 prefill tensors (as [heads, T, D] contiguous), decode steps and ranges.
+class RecordingObserver : public RunObserver {
+ public:
+  static std::vector<float> copy(const TensorRef& r) {
+    std::vector<float> out;
+    for (std::int64_t h = 0; h < r.shape[0]; ++h)
+      for (std::int64_t t = 0; t < r.shape[1]; ++t)
+        for (std::int64_t d = 0; d < r.shape[2]; ++d) out.push_back(r.at(h, t, d));
+    return out;
+  }
+  void on_prefill_layer(int layer, const TensorRef& q, const TensorRef& k, const TensorRef& v) override {
+    prefill_layers.push_back(layer);
+    if (layer == 0) {
+      q0 = copy(q);
+      k0 = copy(k);
+      v0 = copy(v);
+    }
+  }
+  void on_decode_layer(int layer, int step, const TensorRef& q, const TensorRef& k,
+                       const TensorRef&) override {
+    EXPECT_EQ(q.shape[1], 1);
+    EXPECT_EQ(k.shape[1], 1);
+    decode_layers.emplace_back(step, layer);
+  }
+  void on_decode_token(int step, std::int32_t id, std::int32_t position) override {
+    decode_tokens.push_back({step, id, position});
+  }
+  void range_push(const char* name) override {
+    ranges.push_back(name);
+    ++depth;
+    max_depth = std::max(max_depth, depth);
+  }
+  void range_pop() override {
+    --depth;
+    EXPECT_GE(depth, 0);
+  }
+  std::vector<int> prefill_layers;
+  std::vector<std::pair<int, int>> decode_layers;
+  std::vector<std::array<int, 3>> decode_tokens;
+  std::vector<std::string> ranges;
+  std::vector<float> q0, k0, v0;
+  int depth = 0, max_depth = 0;
+};
+
+TEST(ReferenceModel, LogitsGenerationAndQkvMatchPyTorch) {
+  for (const fs::path& dir : testing::reference_model_dirs()) {
+    SCOPED_TRACE(dir.string());
+    Model model = Model::load(dir.string());
+    SafetensorsFile ref((dir / "reference.safetensors").string());
+    const auto samples = testing::load_samples(ref);
+    ASSERT_GE(samples.size(), 4u);
+    for (const auto& s : samples) {
+      SCOPED_TRACE(s.family + ": " + s.question);
+      const Prompt p = model.build_prompt(s.images, s.question);
+      const std::vector<float> logits = model.forward_logits(p);
+      EXPECT_LT(max_abs_diff(logits, s.logits), kTol);
+      RecordingObserver obs;
+      GenerateOptions opt;
+      opt.max_new = reference_max_new(ref);
+      opt.keep_logits = true;
+      opt.observer = &obs;
+      const Generation g = model.generate(p, opt);
+      EXPECT_EQ(std::vector<std::int64_t>(g.tokens.begin(), g.tokens.end()), s.generated);
+      std::vector<float> steps;
+      for (const auto& row : g.logits) steps.insert(steps.end(), row.begin(), row.end());
+      EXPECT_LT(max_abs_diff(steps, s.step_logits), kTol);
+      EXPECT_LT(max_abs_diff(obs.q0, s.q0), kTol);
+      EXPECT_LT(max_abs_diff(obs.k0, s.k0), kTol);
+      EXPECT_LT(max_abs_diff(obs.v0, s.v0), kTol);
+    }
+  }
+}
+
+TEST(ReferenceModel, VisionEmbeddingsMatchPyTorch) {
+  Model model = Model::load(testing::fixture_dir("none").string());
+  SafetensorsFile ref((testing::fixture_dir("none") / "reference.safetensors").string());
+  const auto samples = testing::load_samples(ref);
+  const std::vector<float> expected = ref.to_f32("sample.2.vision_embeds");
+  ASSERT_EQ(samples[2].images.size(), 2u);
+  std::vector<float> got = model.embed_image(samples[2].images[0]);
+  const std::vector<float> second = model.embed_image(samples[2].images[1]);
+  got.insert(got.end(), second.begin(), second.end());
+  EXPECT_LT(max_abs_diff(got, expected), 1e-4f);
+}
+
+TEST(Generation, ObserverSeesEveryLayerStepAndNestedRanges) {
+  Model model = Model::load(testing::fixture_dir("ntk").string());
+  const Prompt p = model.build_prompt({render_scene(7).image}, "how many shapes ?");
+  RecordingObserver obs;
+  GenerateOptions opt;
+  opt.max_new = 5;
+  opt.observer = &obs;
+  const Generation g = model.generate(p, opt);
+  const int layers = model.config().num_layers;
+  EXPECT_EQ(obs.prefill_layers.size(), static_cast<std::size_t>(layers));
+  EXPECT_EQ(obs.decode_layers.size(), static_cast<std::size_t>(layers * g.decode_steps));
+  ASSERT_EQ(obs.decode_tokens.size(), static_cast<std::size_t>(g.decode_steps));
+  for (int s = 0; s < g.decode_steps; ++s) {
+    EXPECT_EQ(obs.decode_tokens[static_cast<std::size_t>(s)][0], s);
+    EXPECT_EQ(obs.decode_tokens[static_cast<std::size_t>(s)][1], g.tokens[static_cast<std::size_t>(s)]);
+    EXPECT_EQ(obs.decode_tokens[static_cast<std::size_t>(s)][2], p.size() + s);
+  }
+  EXPECT_EQ(obs.depth, 0);
+  EXPECT_EQ(obs.max_depth, 3);  // prefill/decode > layer > attention|mlp
+  EXPECT_NE(std::find(obs.ranges.begin(), obs.ranges.end(), "layer 001/attention"), obs.ranges.end());
+  EXPECT_NE(std::find(obs.ranges.begin(), obs.ranges.end(), "layer 000/mlp"), obs.ranges.end());
+}
+
+// Appends the generated tokens to the prompt as text tokens, for a full forward pass.
+Prompt extend(const Prompt& p, const std::vector<std::int32_t>& tokens, int n) {
+  Prompt out = p;
+  for (int i = 0; i < n; ++i) {
+    TokenInfo t;
+    t.token_id = tokens[static_cast<std::size_t>(i)];
+    t.position = t.index = p.size() + i;
+    out.tokens.push_back(t);
+    out.text.emplace_back();
+  }
+  return out;
+}
+
+TEST(Generation, KvCacheDecodeEqualsFullRecompute) {
+  for (const auto& name : testing::fixture_names()) {
+    Model model = Model::load(testing::fixture_dir(name).string());
+    const Prompt p =
+        model.build_prompt({render_scene(42).image, render_scene(3).image}, "which image has more shapes ?");
+    GenerateOptions opt;
+    opt.max_new = 6;
+    opt.keep_logits = true;
+    const Generation g = model.generate(p, opt);
+    ASSERT_GE(g.decode_steps, 2) << name;
+    const std::vector<float> full = model.forward_logits(extend(p, g.tokens, g.decode_steps));
+    const std::size_t v = static_cast<std::size_t>(model.config().vocab_size);
+    for (std::size_t s = 0; s < g.logits.size(); ++s) {
+      const std::size_t row = static_cast<std::size_t>(p.size() - 1) + s;
+      const std::vector<float> expected(full.begin() + static_cast<std::ptrdiff_t>(row * v),
+                                        full.begin() + static_cast<std::ptrdiff_t>((row + 1) * v));
+      EXPECT_LT(max_abs_diff(g.logits[s], expected), 1e-4f) << name << " step " << s;
+    }
+  }
+}
+
+class KeepAllHook : public CacheHook {
+ public:
+  void after_prefill(KvCache& cache, const std::vector<TokenInfo>& context) override {
+    for (int l = 0; l < cache.num_layers(); ++l) {
+      for (int h = 0; h < cache.num_kv_heads(); ++h) {
+        HeadCache& hc = cache.head(l, h);
+        EXPECT_EQ(hc.size(), static_cast<int>(context.size()));
+        for (int s = 0; s < hc.size(); ++s) {
+          EXPECT_EQ(hc.info(s).token.position, context[static_cast<std::size_t>(s)].position);
+          EXPECT_EQ(hc.info(s).token.modality, context[static_cast<std::size_t>(s)].modality);
+          EXPECT_EQ(hc.bias(s), 0.0f);
+        }
+        hc.keep(std::vector<bool>(static_cast<std::size_t>(hc.size()), true));
+      }
+    }
+  }
+  void after_decode_step(KvCache& cache, int step, const TokenInfo& token) override {
+    EXPECT_EQ(step, steps++);
+    EXPECT_EQ(cache.head(0, 0).info(cache.head(0, 0).size() - 1).token.position, token.position);
+  }
+  int steps = 0;
+};
+
+// Evicts every vision slot in every head after prefill.
+class EvictVisionHook : public CacheHook {
+ public:
+  void after_prefill(KvCache& cache, const std::vector<TokenInfo>&) override {
+    for (int l = 0; l < cache.num_layers(); ++l) {
+      for (int h = 0; h < cache.num_kv_heads(); ++h) {
+        HeadCache& hc = cache.head(l, h);
+        std::vector<bool> keep;
+        for (int s = 0; s < hc.size(); ++s) keep.push_back(hc.info(s).token.modality != 1);
+        hc.keep(keep);
+        remaining = hc.size();
+      }
+    }
+  }
+  void after_decode_step(KvCache&, int, const TokenInfo&) override {}
+  int remaining = 0;
+};
+
+Generation run(Model& model, const Prompt& p, CacheHook* hook, int max_new = 6) {
+  GenerateOptions opt;
+  opt.max_new = max_new;
+  opt.keep_logits = true;
+  opt.hook = hook;
+  return model.generate(p, opt);
+}
+
+TEST(CacheHook, KeepingEverythingChangesNothing) {
+  Model model = Model::load(testing::fixture_dir("linear").string());
+  const Prompt p = model.build_prompt({render_scene(1).image}, "where is the red circle ?");
+  const Generation plain = run(model, p, nullptr);
+  KeepAllHook hook;
+  const Generation hooked = run(model, p, &hook);
+  EXPECT_EQ(hooked.tokens, plain.tokens);
+  EXPECT_EQ(hooked.logits, plain.logits);  // bit-identical
+  EXPECT_EQ(hook.steps, plain.decode_steps);
+}
+
+TEST(CacheHook, EvictingVisionChangesDecodeLogits) {
+  Model model = Model::load(testing::fixture_dir("none").string());
+  const Prompt p = model.build_prompt({render_scene(1).image}, "where is the red circle ?");
+  const Generation plain = run(model, p, nullptr);
+  EvictVisionHook hook;
+  const Generation evicted = run(model, p, &hook);
+  EXPECT_EQ(hook.remaining, p.size() - 64);
+  ASSERT_GE(evicted.logits.size(), 2u);
+  EXPECT_EQ(evicted.logits[0], plain.logits[0]);  // chosen from the prefill, before the hook
+  ASSERT_EQ(evicted.tokens[0], plain.tokens[0]);  // so step 1 feeds the same token to both caches
+  EXPECT_GT(max_abs_diff(evicted.logits[1], plain.logits[1]), 1e-3f);
+}
+
+// A slot with bias log 2 attends exactly like two copies of that slot: the merge ("proportional attention")
+// semantics policies rely on.
+class DuplicateSlotHook : public CacheHook {
+ public:
+  explicit DuplicateSlotHook(bool use_bias) : use_bias_(use_bias) {}
+  void after_prefill(KvCache& cache, const std::vector<TokenInfo>&) override {
+    for (int l = 0; l < cache.num_layers(); ++l) {
+      for (int h = 0; h < cache.num_kv_heads(); ++h) {
+        HeadCache& hc = cache.head(l, h);
+        const int s = 10;
+        if (use_bias_) {
+          const std::vector<float> k(hc.key(s), hc.key(s) + hc.head_dim()),
+              v(hc.value(s), hc.value(s) + hc.head_dim());
+          hc.set_slot(s, k.data(), v.data(), std::log(2.0f), 2);
+        } else {
+          const std::vector<float> k(hc.key(s), hc.key(s) + hc.head_dim()),
+              v(hc.value(s), hc.value(s) + hc.head_dim());
+          hc.append(k.data(), v.data(), 0.0f, hc.info(s));
+        }
+      }
+    }
+  }
+  void after_decode_step(KvCache&, int, const TokenInfo&) override {}
+
+ private:
+  bool use_bias_;
+};
+
+TEST(CacheHook, LogMultiplicityBiasEqualsDuplicatedSlot) {
+  Model model = Model::load(testing::fixture_dir("none").string());
+  const Prompt p = model.build_prompt({render_scene(2).image}, "how many shapes ?");
+  DuplicateSlotHook dup(false), bias(true);
+  const Generation a = run(model, p, &dup, 4), b = run(model, p, &bias, 4), plain = run(model, p, nullptr, 4);
+  ASSERT_EQ(a.logits.size(), b.logits.size());
+  ASSERT_GE(a.logits.size(), 2u);
+  for (std::size_t s = 0; s < a.logits.size(); ++s)
+    EXPECT_LT(max_abs_diff(a.logits[s], b.logits[s]), 1e-5f) << s;
+  EXPECT_GT(max_abs_diff(b.logits[1], plain.logits[1]), 1e-6f);  // and the bias does change something
+}
+
+}  // namespace
+}  // namespace kvscope::runner
+
+namespace kvscope::runner {
+namespace {
+
+// Not a benchmark (the CI machine is shared): records prefill/decode times for the perf notes, and checks
+// that a decode step is cheaper than a prefill of the whole prompt (the cache is really used).
+TEST(Timing, PrefillAndDecodeOnFixture) {
+  Model model = Model::load(testing::fixture_dir("none").string());
+  const Prompt p = model.build_prompt({render_scene(3).image, render_scene(8).image}, "which image has more shapes ?");
+  GenerateOptions opt;
+  opt.max_new = 16;
+  double best_prefill = 1e30, best_decode = 1e30;
+  int steps = 0;
+  for (int rep = 0; rep < 5; ++rep) {
+    const Generation g = model.generate(p, opt);
+    best_prefill = std::min(best_prefill, g.prefill_ms);
+    best_decode = std::min(best_decode, g.decode_ms / std::max(1, g.decode_steps));
+    steps = g.decode_steps;
+  }
+  std::printf("[timing] prefill %d tokens: %.3f ms; decode: %.4f ms/step over %d steps (best of 5)\n", p.size(),
+              best_prefill, best_decode, steps);
+  RecordProperty("prefill_ms", std::to_string(best_prefill));
+  RecordProperty("decode_ms_per_step", std::to_string(best_decode));
+  EXPECT_LT(best_decode, best_prefill);
+}
+
+}  // namespace
+}  // namespace kvscope::runner
