@@ -1,0 +1,434 @@
+"""The PyTorch capture bridge: record a model run into a kvscope trace through the capture C API.
+
+    from kvscope import bridge
+    ids, tokens = bridge.tinyvlm_prompt(vocab, model.config, "how many shapes ?", n_images=1)
+    with bridge.capture(model, "t.h5", tokens=tokens, token_text=vocab.tokens) as cap:
+        answer = model.generate(ids, images, max_new=8)
+    # t.h5 is complete here; had `generate` raised, the trace would be left incomplete (aborted) and the
+    # exception would propagate.
+
+While the block runs, every attention module of the model is wrapped (instance-level `forward` wrappers,
+removed on exit). The first forward of the model is the prefill: it must cover exactly the context
+tokens given in `tokens`; each later forward is one decode step feeding one token (a KV-cache forward).
+Per layer the bridge records the prefill q [Hq, T, D] and post-RoPE k, v [Hkv, T, D], and per decode step
+q [Hq, 1, D] and the appended k, v [Hkv, 1, D], plus the fed token (id, position, text) and ranges
+("prefill", "decode N", "layer NNN/attention"). Tensors go to the library as they are: host tensors as host
+pointers with their strides (no copy), CUDA tensors as device pointers on the current stream.
+
+Adapters say where a model keeps its attention: `TinyVlmAdapter` (kvscope.tinyvlm, q taken from the rotary
+embedding's output) and, in kvscope.hf, LLaMA-family and LLaVA models from `transformers` (post-RoPE K/V
+from the model's cache, q recomputed with the module's own q_proj and rotary embedding).
+"""
+
+import contextlib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+from .capture import Capture, Modality
+
+TokenText = Union[None, Callable[[int], str], Sequence[str]]
+
+
+class BridgeError(RuntimeError):
+    """The model did not run the way the bridge records it (wrong prefill length, a multi-token decode
+    forward, a layer that did not run, batch > 1), or the capture was aborted."""
+
+
+# ---- tokens ------------------------------------------------------------------------------------------------
+@dataclass
+class TokenTable:
+    """Labels of the T context tokens (trace /tokens). Lists of length T."""
+    modality: List[int]  # kvscope Modality codes: 0 text, 1 vision, 2 audio, 3 special
+    position: List[int]
+    token_id: List[int]  # -1 where there is none (image patches)
+    segment: List[int]  # image index for image tokens; for text, the number of images before it
+    grid_row: List[int]  # patch grid row of vision tokens, -1 otherwise
+    grid_col: List[int]
+    text: Optional[List[str]] = None  # per-token text ("" for patches) or None
+
+    def __len__(self) -> int:
+        return len(self.modality)
+
+    def check(self) -> None:
+        n = len(self)
+        for name in ("position", "token_id", "segment", "grid_row", "grid_col"):
+            if len(getattr(self, name)) != n:
+                have = len(getattr(self, name))
+                raise ValueError(f"TokenTable.{name} has {have} entries, modality has {n}")
+        if self.text is not None and len(self.text) != n:
+            raise ValueError(f"TokenTable.text has {len(self.text)} entries, modality has {n}")
+
+    @staticmethod
+    def from_ids(ids: Sequence[int], token_text: TokenText = None, special_ids: Sequence[int] = (),
+                 start_position: int = 0) -> "TokenTable":
+        """A text-only context: ids in `special_ids` are labelled special, the rest text; positions count
+        from `start_position`, segment 0."""
+        ids = [int(i) for i in ids]
+        special = set(int(s) for s in special_ids)
+        n = len(ids)
+        text_of = _text_fn(token_text)
+        return TokenTable(
+            modality=[Modality.SPECIAL if i in special else Modality.TEXT for i in ids],
+            position=list(range(start_position, start_position + n)), token_id=ids, segment=[0] * n,
+            grid_row=[-1] * n, grid_col=[-1] * n,
+            text=None if text_of is None else [text_of(i) for i in ids])
+
+
+def _text_fn(token_text: TokenText) -> Optional[Callable[[int], str]]:
+    if token_text is None:
+        return None
+    if callable(token_text):
+        return lambda i: str(token_text(int(i)))
+    table = token_text
+    return lambda i: str(table[int(i)]) if 0 <= int(i) < len(table) else ""
+
+
+def tinyvlm_prompt(vocab, config, question: str, n_images: int) -> Tuple[List[int], TokenTable]:
+    """The tiny VLM's prompt ids (vision positions = -1) and their labels, exactly as `kvcap run` labels them:
+    <bos>, <img>, </img>, <sep> special; patches vision with grid (n // G, n % G) and segment = image index;
+    question words text with segment = number of images; text = vocab words ("" for patches)."""
+    from .tinyvlm.dataset import build_prompt
+    from .tinyvlm.vocab import IMAGE_PATCH_ID
+
+    ids = build_prompt(vocab, n_images, question)
+    grid = config.vision_config.image_size // config.vision_config.patch_size
+    specials = {config.bos_token_id, config.eos_token_id, config.image_start_token_id,
+                config.image_end_token_id, config.sep_token_id, 0}
+    t = TokenTable([], [], [], [], [], [], [])
+    image, patch = 0, 0
+    for pos, i in enumerate(ids):
+        row = col = -1
+        if i == IMAGE_PATCH_ID:
+            modality, row, col = Modality.VISION, patch // grid, patch % grid
+            patch += 1
+        else:
+            modality = Modality.SPECIAL if i in specials else Modality.TEXT
+        t.modality.append(int(modality))
+        t.position.append(pos)
+        t.token_id.append(i)
+        t.segment.append(image)
+        t.grid_row.append(row)
+        t.grid_col.append(col)
+        t.text.append(vocab.tokens[i] if i >= 0 else "")
+        if i == config.image_end_token_id:
+            image, patch = image + 1, 0
+    return ids, t
+
+
+# ---- recording ---------------------------------------------------------------------------------------------
+class Recorder:
+    """Turns the adapters' per-forward, per-layer reports into C API calls, checking the run's shape.
+    The first error stops recording (later reports are ignored) and is re-raised when the block ends."""
+
+    def __init__(self, cap: Capture, num_layers: int, tokens: TokenTable, token_text: TokenText):
+        self.cap = cap
+        self.num_layers = num_layers
+        self.T = len(tokens)
+        self.text_of = _text_fn(token_text)
+        self.prefilled = False
+        self.decode_steps = 0
+        self.error: Optional[BaseException] = None
+        self._in_forward = False
+        self._fed_id = -1
+        self._seen: List[bool] = []
+
+    @property
+    def active(self) -> bool:
+        return self.error is None and self.cap.is_open
+
+    def fail(self, message: str) -> None:
+        raise BridgeError(f"{self.cap.path}: {message}")
+
+    @contextlib.contextmanager
+    def forward(self, input_ids=None):
+        """Wraps one forward of the whole model; input_ids (any shape) tells the decode step's token."""
+        if not self.active or self._in_forward:
+            yield
+            return
+        try:
+            if self.prefilled:
+                if input_ids is not None and int(input_ids.numel()) != 1:
+                    self.fail(f"decode step {self.decode_steps}: the model was fed {int(input_ids.numel())} "
+                              "tokens; after the prefill the bridge records one token per forward (generate "
+                              "with the KV cache, batch 1)")
+                self._fed_id = -1 if input_ids is None else int(input_ids.reshape(-1)[0])
+                name = f"decode {self.decode_steps}"
+            else:
+                name = "prefill"
+            self._seen = [False] * self.num_layers
+            self._in_forward = True
+            self.cap.range_push(name)
+        except BaseException as e:
+            self.error = self.error or e
+            raise
+        try:
+            yield
+        except BaseException as e:
+            self.error = self.error or e
+            raise
+        finally:
+            self._in_forward = False
+            if self.cap.is_open:
+                self.cap.range_pop()
+        self._end_forward()
+
+    def _end_forward(self) -> None:
+        if not self.active:
+            return
+        missing = [i for i, seen in enumerate(self._seen) if not seen]
+        try:
+            if missing:
+                phase = f"decode step {self.decode_steps}" if self.prefilled else "the prefill"
+                self.fail(f"layers {missing} did not run during {phase}")
+            if self.prefilled:
+                self.decode_steps += 1
+            self.prefilled = True
+        except BaseException as e:
+            self.error = e
+            raise
+
+    def layer(self, layer: int, q, k, v, position: Optional[int] = None, batch: int = 1) -> None:
+        """q [Hq, t, D], k/v [Hkv, t, D] (post-RoPE, batch element 0) of the tokens of the current forward;
+        `position` is the position id of the fed token (decode); `batch` the forward's batch size."""
+        if not self.active or not self._in_forward:
+            return
+        try:
+            t = int(q.shape[1])
+            if batch != 1:
+                self.fail(f"layer {layer}: a forward of batch {batch}; the bridge records batch 1")
+            if not 0 <= layer < self.num_layers:
+                self.fail(f"attention module reported layer {layer}, the model has {self.num_layers}")
+            if self._seen[layer]:
+                self.fail(f"layer {layer} ran twice in one forward")
+            self._seen[layer] = True
+            if not self.prefilled:
+                if t != self.T:
+                    self.fail(f"the prefill forward has {t} tokens but tokens= describes {self.T}")
+                self.cap.prefill_layer(layer, q, k, v)
+                return
+            if t != 1:
+                self.fail(f"decode step {self.decode_steps}: layer {layer} got {t} tokens, expected 1")
+            step = self.decode_steps
+            if not any(self._seen[:layer]):  # first layer of this step: the fed token
+                pos = self.T + step if position is None else int(position)
+                text = None if self.text_of is None or self._fed_id < 0 else self.text_of(self._fed_id)
+                self.cap.decode_token(step, self._fed_id, pos, text)
+            self.cap.decode_layer(layer, step, q, k, v)
+        except BaseException as e:
+            self.error = self.error or e
+            raise
+
+    @contextlib.contextmanager
+    def attention_range(self, layer: int):
+        if not self.active or not self._in_forward:
+            yield
+            return
+        self.cap.range_push(f"layer {layer:03d}/attention")
+        try:
+            yield
+        finally:
+            if self.cap.is_open:
+                self.cap.range_pop()
+
+
+class Patcher:
+    """Instance-level `forward` wrappers, all removed by `restore()`."""
+
+    def __init__(self):
+        self._patched: List[Tuple[Any, bool, Any]] = []
+
+    def wrap(self, module, make_wrapper: Callable[[Callable], Callable]) -> None:
+        had_own = "forward" in vars(module)
+        original = module.forward
+        self._patched.append((module, had_own, vars(module).get("forward")))
+        module.forward = make_wrapper(original)
+
+    def restore(self) -> None:
+        while self._patched:
+            module, had_own, own = self._patched.pop()
+            if had_own:
+                module.forward = own
+            else:
+                del module.forward
+
+
+def bind_arguments(fn: Callable, args, kwargs) -> Dict[str, Any]:
+    """Arguments of a call of `fn` by name (defaults not filled in)."""
+    try:
+        return dict(inspect.signature(fn).bind_partial(*args, **kwargs).arguments)
+    except (TypeError, ValueError):
+        return dict(kwargs)
+
+
+# ---- adapters ----------------------------------------------------------------------------------------------
+class Adapter:
+    """Where a model family keeps its attention. Subclasses fill `geometry()` and `attach()`."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def geometry(self) -> Dict[str, Any]:
+        """num_layers, num_q_heads, num_kv_heads, head_dim, rope_theta, model_name."""
+        raise NotImplementedError
+
+    def attach(self, recorder: Recorder, patcher: Patcher) -> None:
+        raise NotImplementedError
+
+    def wrap_model_forward(self, recorder: Recorder, patcher: Patcher) -> None:
+        """Every call of the model's forward is one prefill / decode forward; input_ids says what was fed."""
+        def make(original):
+            def forward(*args, **kwargs):
+                ids = bind_arguments(original, args, kwargs).get("input_ids")
+                with recorder.forward(ids):
+                    return original(*args, **kwargs)
+            return forward
+        patcher.wrap(self.model, make)
+
+
+class TinyVlmAdapter(Adapter):
+    """kvscope.tinyvlm.TinyVlm: post-RoPE q and k from each layer's `rotary_emb` output, k/v of the new tokens
+    from the (k, v) cache the attention module returns."""
+
+    def geometry(self) -> Dict[str, Any]:
+        c = self.model.config
+        base = c.rope_theta
+        if c.rope_scaling and c.rope_scaling.get("type") == "ntk":  # effective base, as kvcap run records
+            base = c.rope_theta * float(c.rope_scaling["factor"]) ** (c.head_dim / (c.head_dim - 2))
+        return dict(num_layers=c.num_hidden_layers, num_q_heads=c.num_attention_heads,
+                    num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, rope_theta=base,
+                    model_name="kvscope-tiny-vlm")
+
+    def attach(self, recorder: Recorder, patcher: Patcher) -> None:
+        self.wrap_model_forward(recorder, patcher)
+        for layer in self.model.model.layers:
+            attn = layer.self_attn
+            slot: Dict[str, Any] = {}
+
+            def make_rotary(original, slot=slot):
+                def forward(q, k, positions):
+                    q_rot, k_rot = original(q, k, positions)
+                    slot["q"], slot["positions"] = q_rot, positions
+                    return q_rot, k_rot
+                return forward
+
+            def make_attention(original, idx=attn.layer_idx, slot=slot):
+                def forward(x, *args, **kwargs):
+                    with recorder.attention_range(idx):
+                        out, (k, v) = original(x, *args, **kwargs)
+                    q, pos = slot.pop("q", None), slot.pop("positions", None)
+                    if recorder.active and q is not None:
+                        t = x.shape[1]
+                        recorder.layer(idx, q[0], k[0, :, -t:], v[0, :, -t:],
+                                       None if pos is None else int(pos[-1]), batch=x.shape[0])
+                    return out, (k, v)
+                return forward
+
+            patcher.wrap(attn.rotary_emb, make_rotary)
+            patcher.wrap(attn, make_attention)
+
+
+def adapter_for(model) -> Adapter:
+    """The adapter of a supported model: the tiny VLM, or a transformers LLaMA-family / LLaVA model."""
+    from .tinyvlm.model import TinyVlm
+
+    if isinstance(model, TinyVlm):
+        return TinyVlmAdapter(model)
+    if type(model).__module__.startswith("transformers."):
+        from . import hf
+        return hf.adapter_for(model)
+    raise BridgeError(f"unsupported model {type(model).__name__}: the bridge supports "
+                      "kvscope.tinyvlm.TinyVlm "
+                      "and transformers LLaMA-family / LLaVA models; pass adapter= for others")
+
+
+def _model_device_and_dtype(model):
+    for p in model.parameters():
+        return p.device, p.dtype
+    return None, None
+
+
+# ---- the context manager -----------------------------------------------------------------------------------
+class BridgeCapture:
+    """What `capture()` yields: the running capture (`capture` is the kvscope.capture.Capture for your own
+    ranges, e.g. `with cap.capture.range("vision tower"):`)."""
+
+    def __init__(self, model, path: str, tokens: TokenTable, token_text: TokenText, adapter: Adapter,
+                 options: Dict[str, Any]):
+        tokens.check()
+        self.model, self.path, self.tokens, self.adapter = model, str(path), tokens, adapter
+        geometry = adapter.geometry()
+        device, dtype = _model_device_and_dtype(model)
+        config = dict(dtype=str(dtype).replace("torch.", "") if dtype is not None else "float32",
+                      max_decode_steps=4096, profile=True)
+        if device is not None and device.type == "cuda":
+            import torch
+            config["cuda_stream"] = torch.cuda.current_stream(device).cuda_stream
+            config["device"] = torch.cuda.get_device_name(device)
+        else:
+            config["device"] = "cpu"
+        if config["dtype"] not in ("float32", "float16", "bfloat16"):
+            config["dtype"] = "float32"
+        config.update(geometry)
+        config.update({k: v for k, v in options.items() if v is not None})
+        self.capture = Capture(self.path, context_tokens=len(tokens), **config)
+        self._patcher = Patcher()
+        try:
+            self.capture.set_tokens(tokens.modality, tokens.position, tokens.token_id, tokens.segment,
+                                    tokens.grid_row, tokens.grid_col, tokens.text)
+            self.recorder = Recorder(self.capture, geometry["num_layers"], tokens, token_text)
+            adapter.attach(self.recorder, self._patcher)
+        except BaseException:
+            self._patcher.restore()
+            self.capture.abort()
+            raise
+
+    @property
+    def decode_steps(self) -> int:
+        return self.recorder.decode_steps
+
+    @property
+    def prefilled(self) -> bool:
+        return self.recorder.prefilled
+
+    def finish(self, exc: Optional[BaseException]) -> None:
+        self._patcher.restore()
+        if exc is not None or self.recorder.error is not None:
+            self.capture.abort()
+            if exc is None:
+                raise BridgeError(f"{self.path}: capture aborted (trace left incomplete) after an error "
+                                  f"during the run: {self.recorder.error}") from self.recorder.error
+            return
+        if not self.recorder.prefilled:
+            self.capture.abort()
+            raise BridgeError(f"{self.path}: the model never ran inside the capture block; trace left "
+                              "incomplete")
+        self.capture.close()
+
+
+@contextlib.contextmanager
+def capture(model, path: str, *, tokens: TokenTable, token_text: TokenText = None,
+            adapter: Optional[Adapter] = None, dtype: Optional[str] = None,
+            max_decode_steps: Optional[int] = None, model_name: Optional[str] = None,
+            profile: Optional[bool] = None, **config):
+    """Records the model's run inside the block into the trace `path` (see the module docstring).
+
+    tokens: labels of the context tokens (the prefill must have exactly len(tokens) tokens).
+    token_text: id -> text of decode tokens (a callable or a list such as vocab.tokens); None = no text.
+    dtype: element type in the trace (default: the model's parameter dtype).
+    max_decode_steps: bound on recorded decode steps (default 4096).
+    model_name / profile (default True) and any other kvscope_capture_config field (queue_bytes,
+    chunk_tokens, deflate_level, device, creator, ...) go to the capture's configuration.
+    On an exception in the block the capture is aborted (the trace stays incomplete) and the exception
+    propagates; a run the bridge cannot record raises BridgeError.
+    """
+    adapter = adapter or adapter_for(model)
+    options = dict(dtype=dtype, max_decode_steps=max_decode_steps, model_name=model_name, profile=profile,
+                   **config)
+    bc = BridgeCapture(model, path, tokens, token_text, adapter, options)
+    try:
+        yield bc
+    except BaseException as e:
+        bc.finish(e)
+        raise
+    bc.finish(None)
