@@ -1,5 +1,5 @@
 // Shared helpers of the runner suites: fixture locations and the Python reference file
-// (layout: /work/notes/tinyvlm_reference_layout.md, capture/python/kvscope/tinyvlm/export_reference.py).
+// (layout: capture/python/kvscope/tinyvlm/export_reference.py).
 #pragma once
 
 #include <gtest/gtest.h>

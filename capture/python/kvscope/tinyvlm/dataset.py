@@ -144,8 +144,8 @@ def make_sample(vocab: Vocab, split_base: int, k: int, image_offset: int,
                   answer_ids=vocab.encode(a) + [EOS])
 
 
-def train_sample(vocab: Vocab, seed: int, k: int) -> Sample:
-    return make_sample(vocab, train_base(seed), k, 0)
+def train_sample(vocab: Vocab, seed: int, k: int, family: Optional[int] = None) -> Sample:
+    return make_sample(vocab, train_base(seed), k, 0, family)
 
 
 def heldout_sample(vocab: Vocab, k: int) -> Sample:

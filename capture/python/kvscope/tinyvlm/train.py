@@ -90,8 +90,10 @@ class BatchStream:
     """Deterministic batches: chunks of `chunk` consecutive training samples are sorted by length (less
     padding) and cut into batches, which are used in a seeded shuffled order."""
 
-    def __init__(self, vocab: Vocab, seed: int, batch: int, chunk_batches: int = 8):
+    def __init__(self, vocab: Vocab, seed: int, batch: int, chunk_batches: int = 8,
+                 focus_family: Optional[int] = None):
         self.vocab, self.seed, self.batch, self.chunk_batches = vocab, seed, batch, chunk_batches
+        self.focus_family = focus_family  # when set, every even sample k is forced to this family
         self.k = 0
         self.queue: List[List[Sample]] = []
         self.gen = torch.Generator().manual_seed(seed + 12345)
@@ -99,7 +101,8 @@ class BatchStream:
     def next(self) -> List[Sample]:
         if not self.queue:
             n = self.batch * self.chunk_batches
-            samples = [train_sample(self.vocab, self.seed, self.k + i) for i in range(n)]
+            samples = [train_sample(self.vocab, self.seed, self.k + i,
+                                    self.focus_family if (self.k + i) % 2 == 0 else None) for i in range(n)]
             self.k += n
             samples.sort(key=lambda s: len(s.prompt_ids) + len(s.answer_ids))
             batches = [samples[i:i + self.batch] for i in range(0, n, self.batch)]
@@ -131,7 +134,8 @@ def train(args) -> dict:
         model = TinyVlm(make_config(vocab, args))
         init_weights(model, args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=args.wd)
-    stream = BatchStream(vocab, args.seed, args.batch)
+    focus = FAMILIES.index(args.focus_family) if args.focus_family else None
+    stream = BatchStream(vocab, args.seed, args.batch, focus_family=focus)
     t0 = time.time()
     losses: List[float] = []
     log = []
@@ -206,6 +210,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--init-from", metavar="DIR", default=None, help="start from the weights of model DIR "
                     "instead of a random init (sizes come from its config; the data stream still starts at "
                     "sample 0 of train(seed), so use another --seed for a second stage)")
+    ap.add_argument("--focus-family", choices=FAMILIES, default=None, help="curriculum: force every "
+                    "second training sample to this family (default off)")
     ap.add_argument("--eval-samples", type=int, default=None, help="held-out samples for the final "
                     "evaluation (default 1000, smoke 0)")
     ap.add_argument("--eval-every", type=int, default=0, help="quick 100-sample eval every N steps (0 = off)")
