@@ -1,5 +1,5 @@
-// CUPTI Activity API recorder for kvbench --cupti: collects kernel, memcpy and memset
-// activity records and aggregates them per (scope, kind, name), where the scope is the
+// kvbench --cupti: kernel, memcpy and memset records of kvscope::cupti (the shared CUPTI
+// Activity API recorder) aggregated per (scope, kind, name), where the scope is the
 // benchmark that ran since the previous collect(). Without CUPTI in the build, or
 // without a GPU, start() returns a non-ok Status and nothing is recorded.
 #pragma once
@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kvscope/kernels/common.hpp"
+#include "kvscope/kernels/cupti_activity.hpp"
 
 namespace kvscope::bench {
 
@@ -30,8 +31,8 @@ class CuptiRecorder {
 
   static bool built_with_cupti();
 
-  // Registers the buffer callbacks and enables CONCURRENT_KERNEL, MEMCPY and MEMSET
-  // activity. Only one recorder may be active at a time.
+  // Enables CONCURRENT_KERNEL, MEMCPY and MEMSET activity. Only one recorder may be
+  // active at a time.
   kernels::Status start();
   // Synchronizes the device, force-flushes every buffer and attributes the records
   // delivered since the last collect() to `scope`.
@@ -39,16 +40,19 @@ class CuptiRecorder {
   // collect("other"), then disables the activity kinds. Idempotent.
   kernels::Status stop();
 
-  bool active() const { return active_; }
+  bool active() const;
   // Aggregates in order of first appearance.
   const std::vector<ActivityTiming>& timings() const { return timings_; }
   // Records CUPTI reported as dropped (buffers full).
-  std::uint64_t dropped() const { return dropped_; }
+  std::uint64_t dropped() const;
 
  private:
-  bool active_ = false;
+  void add(const std::string& scope, const std::vector<kernels::cupti::ActivityRecord>& records);
+
+#if defined(KVSCOPE_HAVE_CUPTI)
+  kernels::cupti::ActivityRecorder recorder_;
+#endif
   std::vector<ActivityTiming> timings_;
-  std::uint64_t dropped_ = 0;
 };
 
 // Text table: scope, kind, name, count, total ms, mean us. Names longer than

@@ -3,11 +3,12 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <chrono>
 #include <utility>
 
-#include "cupti_activity.hpp"
 #include "failure.hpp"
+#include "kvscope/kernels/cupti_activity.hpp"
 #include "kvscope/kernels/nvtx.hpp"
 
 namespace kvscope::capture::detail {
@@ -21,29 +22,47 @@ std::int64_t steady_ns() {
 }
 
 #if defined(KVSCOPE_HAVE_NVTX)
-void nvtx_push(const char* name, kernels::nvtx::Category category) {
-  nvtxEventAttributes_t a{};
-  a.version = NVTX_VERSION;
-  a.size = NVTX_EVENT_ATTRIB_STRUCT_SIZE;
-  a.category = category;
-  a.messageType = NVTX_MESSAGE_TYPE_ASCII;
-  a.message.ascii = name;
-  nvtxDomainRangePushEx(kernels::nvtx::domain(), &a);
-}
-void nvtx_pop() { nvtxDomainRangePop(kernels::nvtx::domain()); }
-#define KVSCOPE_CAPTURE_NVTX_PUSH(name, category) nvtx_push(name, kernels::nvtx::category)
-#define KVSCOPE_CAPTURE_NVTX_POP() nvtx_pop()
+#define KVSCOPE_CAPTURE_NVTX_PUSH(name, category) kernels::nvtx::range_push(name, kernels::nvtx::category)
+#define KVSCOPE_CAPTURE_NVTX_POP() kernels::nvtx::range_pop()
 #else
 #define KVSCOPE_CAPTURE_NVTX_PUSH(name, category) ((void)(name))
 #define KVSCOPE_CAPTURE_NVTX_POP() ((void)0)
+#endif
+
+#if defined(KVSCOPE_HAVE_CUPTI)
+// A kvscope::cupti record as a /profile/kernels row: kind "kernel" or "memcpy_<direction>"
+// (lower case, also the name of a memcpy), times shifted onto the capture clock.
+trace::KernelRecord to_trace(kernels::cupti::ActivityRecord a, std::int64_t shift_ns) {
+  trace::KernelRecord r;
+  if (a.kind == kernels::cupti::ActivityKind::kKernel) {
+    r.kind = "kernel";
+    r.name = std::move(a.name);
+  } else {
+    r.kind = std::string(kernels::cupti::activity_kind_name(a.kind)) + "_";
+    for (char c : a.name) r.kind += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    r.name = r.kind;
+  }
+  r.start_ns = a.start_ns + shift_ns;
+  r.end_ns = a.end_ns + shift_ns;
+  r.stream = a.stream;
+  r.device = a.device;
+  r.grid = a.grid;
+  r.block = a.block;
+  r.bytes = a.bytes;
+  return r;
+}
 #endif
 
 }  // namespace
 
 std::int64_t current_thread_id() { return static_cast<std::int64_t>(::syscall(SYS_gettid)); }
 
+// CUPTI kernel and memcpy records between start_kernels() and finish() (kvscope::cupti).
 struct Profiler::Kernels {
-  CuptiActivity activity;
+#if defined(KVSCOPE_HAVE_CUPTI)
+  kernels::cupti::ActivityRecorder recorder;
+  std::int64_t shift_ns = 0;  // capture clock minus CUPTI clock
+#endif
 };
 
 Profiler::Profiler(bool timed) : timed_(timed), origin_ns_(steady_ns()), model_thread_(current_thread_id()) {}
@@ -85,16 +104,30 @@ Profiler::Scope::~Scope() {
 
 std::string Profiler::start_kernels() {
   if (!timed_) return "profiling is off";
-  kernels_ = std::make_unique<Kernels>();
-  std::string why = kernels_->activity.start(now_ns());
-  if (!why.empty()) kernels_.reset();
-  return why;
+#if defined(KVSCOPE_HAVE_CUPTI)
+  auto k = std::make_unique<Kernels>();
+  const kernels::Status s = k->recorder.start({.memsets = false, .buffer_bytes = 4u << 20});
+  if (!s.ok()) return s.message() + ": no kernel records";
+  k->shift_ns = now_ns() - k->recorder.start_timestamp_ns();
+  kernels_ = std::move(k);
+  return "";
+#else
+  return "kvscope_capture was built without CUPTI: no kernel records";
+#endif
 }
 
 trace::Profile Profiler::finish() {
   while (!stack_.empty()) pop();  // ranges left open end when the capture closes
   trace::Profile p;
-  if (kernels_) p.kernels = kernels_->activity.stop();
+#if defined(KVSCOPE_HAVE_CUPTI)
+  if (kernels_) {
+    std::vector<kernels::cupti::ActivityRecord> records;
+    (void)kernels_->recorder.stop(&records);  // a failed sync or flush still returns what arrived
+    p.kernels.reserve(records.size());
+    for (auto& a : records) p.kernels.push_back(to_trace(std::move(a), kernels_->shift_ns));
+    kernels_.reset();
+  }
+#endif
   std::lock_guard<std::mutex> lock(mutex_);
   p.ranges = ranges_;
   return p;

@@ -18,18 +18,22 @@ enum Category : unsigned {
 
 nvtxDomainHandle_t domain();
 
+// A range opened and closed by hand (push and pop on the same thread); ScopedRange does both.
+inline void range_push(const char* name, Category category) {
+  nvtxEventAttributes_t a{};
+  a.version = NVTX_VERSION;
+  a.size = NVTX_EVENT_ATTRIB_STRUCT_SIZE;
+  a.category = category;
+  a.messageType = NVTX_MESSAGE_TYPE_ASCII;
+  a.message.ascii = name;
+  nvtxDomainRangePushEx(domain(), &a);
+}
+inline void range_pop() { nvtxDomainRangePop(domain()); }
+
 class ScopedRange {
  public:
-  ScopedRange(const char* name, Category category) {
-    nvtxEventAttributes_t a{};
-    a.version = NVTX_VERSION;
-    a.size = NVTX_EVENT_ATTRIB_STRUCT_SIZE;
-    a.category = category;
-    a.messageType = NVTX_MESSAGE_TYPE_ASCII;
-    a.message.ascii = name;
-    nvtxDomainRangePushEx(domain(), &a);
-  }
-  ~ScopedRange() { nvtxDomainRangePop(domain()); }
+  ScopedRange(const char* name, Category category) { range_push(name, category); }
+  ~ScopedRange() { range_pop(); }
   ScopedRange(const ScopedRange&) = delete;
   ScopedRange& operator=(const ScopedRange&) = delete;
 };
