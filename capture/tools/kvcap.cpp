@@ -6,6 +6,7 @@
 #include <string>
 
 #include "export_chrome_command.hpp"
+#include "kvscope/closedloop/eval_command.hpp"
 #include "kvscope/cli/progress.hpp"
 #include "kvscope/synth/synth.hpp"
 #include "kvscope/trace/validate.hpp"
@@ -26,7 +27,8 @@ void print_usage(std::ostream& os) {
         "  synth      write a deterministic synthetic trace with the geometry of a known model\n"
         "  validate   check that a file is a valid, complete kvscope trace (exit 0 valid, 2 not)\n"
         "  export-chrome  write a trace's /profile ranges and kernels as Chrome/Perfetto trace JSON\n"
-        "  run        run the reference model (tiny VLM) on images + a question and capture a trace\n\n"
+        "  run        run the reference model (tiny VLM) on images + a question and capture a trace\n"
+        "  eval       closed-loop evaluation: accuracy, KL and bytes of policies on held-out samples\n\n"
         "Run 'kvcap <command> --help' for the options of a command.\n"
         "Trace format: docs/trace-format.md. Synthetic structure: docs/synthetic-traces.md.\n";
 }
@@ -171,8 +173,9 @@ int main(int argc, char** argv) {
     if (cmd == "validate") return cmd_validate(rest);
     if (cmd == "export-chrome") return cli::export_chrome_command(rest);
     if (cmd == "run") return cli::run_command(rest);
+    if (cmd == "eval") return cli::eval_command(rest);
     std::cerr << "kvcap: unknown command '" << cmd
-              << "' (valid: synth, validate, export-chrome, run; see kvcap --help)\n";
+              << "' (valid: synth, validate, export-chrome, run, eval; see kvcap --help)\n";
     return kExitError;
   } catch (const std::exception& e) {
     std::cerr << "kvcap " << cmd << ": " << e.what() << "\n";

@@ -5,6 +5,28 @@
 
 namespace kvscope::sim {
 
+namespace {
+
+// Adds the G rows of one step, each weighted 1 / (G * S), in row order (both paths, so that the
+// double sums see the same terms in the same order).
+void add_rows(const float* err, const float* rec, const float* kl, const float* dent, const float* recm,
+              const float* mfull, const float* mcomp, int G, int S, Quality& q) {
+  const double w = 1.0 / (static_cast<double>(G) * S);
+  for (std::size_t r = 0; r < static_cast<std::size_t>(G); ++r) {
+    q.output_error += err[r] * w;
+    q.attention_recall += rec[r] * w;
+    q.kl += kl[r] * w;
+    q.entropy_delta += dent[r] * w;
+    for (std::size_t m = 0; m < static_cast<std::size_t>(kModalities); ++m) {
+      q.recall_modality[m] += recm[r * 4 + m] * w;
+      q.share_before[m] += mfull[r * 4 + m] * w;
+      q.share_after[m] += mcomp[r * 4 + m] * w;
+    }
+  }
+}
+
+}  // namespace
+
 void add_step_quality(LayerData& L, TraceContext& ctx, int h, int s, const StepCache& c, bool proportional,
                       Quality& q) {
   const auto& g = ctx.geometry;
@@ -32,17 +54,41 @@ void add_step_quality(LayerData& L, TraceContext& ctx, int h, int s, const StepC
   const kernels::Status st =
       ctx.backend->evaluate_attention(ep, query, ctx.modality_all.data(), L.full_step(h, s), cache, eo);
   if (!st.ok()) throw std::runtime_error("evaluate (step " + std::to_string(s) + "): " + st.message());
-  const double w = 1.0 / (static_cast<double>(G) * ctx.S);
-  for (std::size_t r = 0; r < n; ++r) {
-    q.output_error += err[r] * w;
-    q.attention_recall += rec[r] * w;
-    q.kl += kl[r] * w;
-    q.entropy_delta += dent[r] * w;
-    for (std::size_t m = 0; m < static_cast<std::size_t>(kModalities); ++m) {
-      q.recall_modality[m] += recm[r * 4 + m] * w;
-      q.share_before[m] += mfull[r * 4 + m] * w;
-      q.share_after[m] += mcomp[r * 4 + m] * w;
+  add_rows(err.data(), rec.data(), kl.data(), dent.data(), recm.data(), mfull.data(), mcomp.data(), G, ctx.S,
+           q);
+}
+
+void add_prefill_quality(LayerData& L, TraceContext& ctx, int h, const PrefillCache& c, bool proportional,
+                         EvalScratch& scratch, Quality& q) {
+  const auto& g = ctx.geometry;
+  const int G = g.group_size(), S = ctx.S, D = g.head_dim;
+  if (!ctx.batched_evaluation || ctx.backend->kind() != BackendKind::kCpu) {
+    for (int s = 0; s < S; ++s) {
+      const StepCache step{c.k, c.v, c.context_slots + s + 1, c.multiplicity, c.slot_modality,
+                           c.token_to_slot};
+      add_step_quality(L, ctx, h, s, step, proportional, q);
     }
+    return;
+  }
+  PrefillProblem p;
+  p.layer = &L;
+  p.kv_head = h;
+  p.group = G;
+  p.steps = S;
+  p.context_tokens = ctx.T;
+  p.head_dim = D;
+  p.q = &L.q_steps()[static_cast<std::size_t>(h) * G * D];
+  p.q_step_stride = static_cast<std::size_t>(g.num_q_heads) * D;
+  p.modality = ctx.modality_all.data();
+  p.cache = c;
+  p.proportional_attention = proportional;
+  RowMetrics& r = scratch.rows;
+  evaluate_prefill_rows_cpu(p, scratch, r);
+  for (int s = 0; s < S; ++s) {
+    const std::size_t o = static_cast<std::size_t>(s) * G;
+    const std::size_t om = o * kModalities;
+    add_rows(&r.output_error[o], &r.recall[o], &r.kl[o], &r.entropy_change[o], &r.recall_modality[om],
+             &r.mass_full[om], &r.mass_compressed[om], G, S, q);
   }
 }
 

@@ -1,10 +1,11 @@
-// Causal evaluation of one decode step on one kv head, shared by the prefill-mode
-// and decode-mode engines: decode query s (the G query heads of kv head h) attends
-// to the cache state at step s, which holds the context slots and the decode tokens
-// 0..s still resident; the reference is full attention over tokens 0 .. T + s.
+// Causal evaluation of the decode steps on one kv head, shared by the prefill-mode and
+// decode-mode engines: decode query s (the G query heads of kv head h) attends to the cache
+// state at step s, which holds the context slots and the decode tokens 0..s still resident;
+// the reference is full attention over tokens 0 .. T + s.
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "kvscope/sim/engine.hpp"
 #include "kvscope/sim/results.hpp"
@@ -25,5 +26,55 @@ struct StepCache {
 // summing over the S steps gives the mean over the head's G * S query rows. Throws on a kernel error.
 void add_step_quality(LayerData& layer, TraceContext& ctx, int kv_head, int step, const StepCache& cache,
                       bool proportional_attention, Quality& q);
+
+// The prefill-mode cache of one kv head: K context slots, then the S decode tokens (exact), in
+// one array, so that step s sees the prefix of K + s + 1 slots.
+struct PrefillCache {
+  const float* k = nullptr;                     // [K + S, D] float32 (dequantized context slots)
+  const float* v = nullptr;                     // [K + S, D]
+  int context_slots = 0;                        // K
+  const std::int32_t* multiplicity = nullptr;   // [K + S] or nullptr (all 1)
+  const std::uint8_t* slot_modality = nullptr;  // [K + S]
+  const std::int32_t* token_to_slot = nullptr;  // [T + S] slot of each token or -1
+};
+
+// Per-row metrics of the G * S query rows of one kv head, row r = s * G + j.
+struct RowMetrics {
+  std::vector<float> output_error, recall, kl, entropy_change;    // [R]
+  std::vector<float> recall_modality, mass_full, mass_compressed;  // [R, 4]
+  void resize(std::size_t rows) {
+    for (auto* v : {&output_error, &recall, &kl, &entropy_change}) v->resize(rows);
+    for (auto* v : {&recall_modality, &mass_full, &mass_compressed}) v->resize(rows * kModalities);
+  }
+};
+
+// Working buffers of the batched evaluation, reused across heads and points by one thread.
+struct EvalScratch {
+  std::vector<float> q, z, e, o, log_n, slot_mass, cmax;  // [R, D], [R, K + S] x2, [R, D], [K + S] x2, [R]
+  std::vector<double> csum, cent, cmass;                   // [R], [R], [R, 4]
+  std::vector<int> surv_token, surv_runs, slot_runs;       // surviving token ids, run boundaries
+  RowMetrics rows;
+};
+
+struct PrefillProblem {
+  LayerData* layer = nullptr;  // full-cache side: layer->full_step(kv_head, s), after prepare_steps()
+  int kv_head = 0;
+  int group = 0, steps = 0, context_tokens = 0, head_dim = 0;  // G, S, T, D
+  const float* q = nullptr;         // step s's G query rows at q + s * q_step_stride, [G, D] each
+  std::size_t q_step_stride = 0;
+  const std::uint8_t* modality = nullptr;  // [T + S] of every token
+  PrefillCache cache;
+  bool proportional_attention = true;
+};
+
+// The S steps of one kv head at once on the CPU (causal_eval_cpu.cpp): the per-row math of
+// kernels::cpu::evaluate_attention with the step's GEMMs batched over the steps.
+void evaluate_prefill_rows_cpu(const PrefillProblem& problem, EvalScratch& scratch, RowMetrics& out);
+
+// Evaluates all S steps of kv head `kv_head` on a prefill-mode cache and adds the metrics into
+// `q` exactly like S calls of add_step_quality (same weights, same order of the sums): batched
+// on the CPU backend when ctx.batched_evaluation, else one backend call per step.
+void add_prefill_quality(LayerData& layer, TraceContext& ctx, int kv_head, const PrefillCache& cache,
+                         bool proportional_attention, EvalScratch& scratch, Quality& q);
 
 }  // namespace kvscope::sim

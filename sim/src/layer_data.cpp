@@ -1,8 +1,10 @@
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 
 #include "kvscope/kernels/attention_stats.hpp"
+#include "kvscope/kernels/head_merge.hpp"
 #include "kvscope/kernels/scores.hpp"
 #include "kvscope/sim/engine.hpp"
 
@@ -46,16 +48,98 @@ const kernels::NeighbourTable& TraceContext::neighbour_lists(int seq_radius, int
 LayerData::LayerData(int layer, trace::LayerTensors prefill, trace::LayerTensors decode, TraceContext& ctx)
     : layer_(layer), prefill_(std::move(prefill)), decode_(std::move(decode)), ctx_(ctx) {}
 
-const std::vector<float>& LayerData::k_f32() {
-  if (k32_.empty()) k32_ = prefill_.k.to_float();
-  return k32_;
+namespace {
+// Elements [offset, offset + n) of a trace tensor as float32 (fp16 / bf16 widen exactly).
+void convert(const trace::Tensor& t, std::size_t offset, std::size_t n, float* out) {
+  if (t.dtype == trace::DType::kF32) {
+    std::memcpy(out, t.data.data() + offset * sizeof(float), n * sizeof(float));
+    return;
+  }
+  const auto* p = reinterpret_cast<const std::uint16_t*>(t.data.data()) + offset;
+  if (t.dtype == trace::DType::kF16) {
+    for (std::size_t i = 0; i < n; ++i) out[i] = kernels::half_to_float(p[i]);
+  } else {
+    for (std::size_t i = 0; i < n; ++i) out[i] = kernels::bf16_to_float(p[i]);
+  }
 }
-const std::vector<float>& LayerData::v_f32() {
-  if (v32_.empty()) v32_ = prefill_.v.to_float();
-  return v32_;
+}  // namespace
+
+void LayerData::require_prefill(const char* what) const {
+  if (prefill_released_) {
+    throw std::logic_error(std::string("layer ") + std::to_string(layer_) + ": " + what +
+                           " requested after release_prefill() (prepare() the policy first)");
+  }
+}
+
+void LayerData::release_prefill() {
+  prefill_released_ = true;
+  prefill_ = trace::LayerTensors{};
+}
+
+const LayerData::MergedHeads& LayerData::merged_heads(float threshold) {
+  auto it = merged_.find(threshold);
+  if (it != merged_.end()) return it->second;
+  require_prefill("head merge");
+  const auto& g = ctx_.geometry;
+  const int H = g.num_kv_heads, T = ctx_.T, D = g.head_dim;
+  const std::size_t TD = static_cast<std::size_t>(T) * D;
+  kernels::HeadMergeParams hp;
+  hp.num_kv_heads = H;
+  hp.num_q_heads = g.num_q_heads;
+  hp.num_tokens = T;
+  hp.head_dim = D;
+  hp.threshold = threshold;
+  hp.dtype = ctx_.dtype;
+  // The steps of kernels::cpu::merge_heads, but only clusters of several heads are materialised:
+  // a one-member cluster is a copy of its head, which k_all() already holds.
+  MergedHeads m;
+  std::vector<float> sim(static_cast<std::size_t>(H) * H);
+  m.cluster.resize(static_cast<std::size_t>(H));
+  check(kernels::cpu::head_similarity(hp, prefill_.k.data.data(), prefill_.v.data.data(), sim.data()),
+        "head similarity");
+  check(kernels::cpu::cluster_heads(H, sim.data(), threshold, m.cluster.data(), &m.num_heads), "cluster heads");
+  std::vector<std::vector<int>> members(static_cast<std::size_t>(m.num_heads));
+  for (int h = 0; h < H; ++h) members[static_cast<std::size_t>(m.cluster[static_cast<std::size_t>(h)])].push_back(h);
+  m.row.assign(static_cast<std::size_t>(m.num_heads), -1);
+  m.source_head.assign(static_cast<std::size_t>(m.num_heads), -1);
+  std::vector<int> merged_members;  // kv heads of the multi-member clusters, ascending within each
+  std::vector<std::int32_t> sub_cluster;
+  int rows = 0;
+  for (int c = 0; c < m.num_heads; ++c) {
+    const auto& mc = members[static_cast<std::size_t>(c)];
+    if (mc.size() == 1) {
+      m.source_head[static_cast<std::size_t>(c)] = mc[0];
+      continue;
+    }
+    m.row[static_cast<std::size_t>(c)] = rows;
+    for (int h : mc) {
+      merged_members.push_back(h);
+      sub_cluster.push_back(rows);
+    }
+    ++rows;
+  }
+  if (rows > 0) {
+    const std::size_t eb = kernels::dtype_bytes(prefill_.k.dtype), head_bytes = TD * eb;
+    std::vector<std::byte> sk(merged_members.size() * head_bytes), sv(sk.size());
+    for (std::size_t i = 0; i < merged_members.size(); ++i) {
+      const std::size_t from = static_cast<std::size_t>(merged_members[i]) * head_bytes;
+      std::copy_n(prefill_.k.data.begin() + static_cast<std::ptrdiff_t>(from), head_bytes, sk.begin() + static_cast<std::ptrdiff_t>(i * head_bytes));
+      std::copy_n(prefill_.v.data.begin() + static_cast<std::ptrdiff_t>(from), head_bytes, sv.begin() + static_cast<std::ptrdiff_t>(i * head_bytes));
+    }
+    kernels::HeadMergeParams sub = hp;
+    sub.num_kv_heads = static_cast<int>(merged_members.size());
+    sub.num_q_heads = sub.num_kv_heads;
+    m.k.resize(static_cast<std::size_t>(rows) * TD);
+    m.v.resize(m.k.size());
+    check(kernels::cpu::apply_head_merge(sub, sk.data(), sv.data(), sub_cluster.data(), rows, nullptr, m.k.data(),
+                                         m.v.data()),
+          "head merge");
+  }
+  return merged_.emplace(threshold, std::move(m)).first->second;
 }
 
 kernels::AttentionProblem LayerData::problem() const {
+  require_prefill("an attention statistic");
   kernels::AttentionProblem a;
   a.q = prefill_.q.data.data();
   a.k = prefill_.k.data.data();
@@ -110,6 +194,7 @@ const std::vector<float>& LayerData::tova() {
 
 const std::vector<float>& LayerData::key_norm() {
   if (knorm_.empty()) {
+    require_prefill("key norms");
     knorm_.resize(static_cast<std::size_t>(ctx_.geometry.num_kv_heads) * static_cast<std::size_t>(ctx_.T));
     kernels::KeyTensor k{prefill_.k.data.data(), ctx_.geometry.num_kv_heads, ctx_.T, ctx_.geometry.head_dim, ctx_.dtype};
     check(kernels::cpu::key_norms(k, knorm_.data()), "key norms");
@@ -121,6 +206,7 @@ const std::vector<float>& LayerData::redundancy(int seq_radius, int grid_radius)
   const auto key = std::make_pair(seq_radius, grid_radius);
   auto it = redundancy_.find(key);
   if (it != redundancy_.end()) return it->second;
+  require_prefill("redundancy");
   std::vector<float> out(static_cast<std::size_t>(ctx_.geometry.num_kv_heads) * static_cast<std::size_t>(ctx_.T));
   kernels::KeyTensor k{prefill_.k.data.data(), ctx_.geometry.num_kv_heads, ctx_.T, ctx_.geometry.head_dim, ctx_.dtype};
   check(kernels::cpu::redundancy(k, ctx_.neighbour_lists(seq_radius, grid_radius).view(), out.data()), "redundancy");
@@ -149,6 +235,7 @@ const std::vector<float>& LayerData::cross_given() {
 
 const kernels::FullAttention& LayerData::full_attention(bool proportional_attention) {
   if (have_full_) return full_;
+  require_prefill("full attention");
   const auto& g = ctx_.geometry;
   const std::size_t rows = static_cast<std::size_t>(g.num_q_heads) * static_cast<std::size_t>(ctx_.S);
   full_probs_.resize(rows * static_cast<std::size_t>(ctx_.T));
@@ -173,21 +260,24 @@ const kernels::FullAttention& LayerData::full_attention(bool proportional_attent
 
 const std::vector<float>& LayerData::k_all() {
   if (kall_.empty()) {
+    require_prefill("the float32 K/V copy");
+    // Converted straight from the trace's dtype into the [Hkv, T + S, D] layout: one float32 copy
+    // of the layer's K and V, shared by the prefill-mode, decode-mode and full-attention code.
     const int H = ctx_.geometry.num_kv_heads, T = ctx_.T, S = ctx_.S, D = ctx_.geometry.head_dim;
     const std::size_t N = static_cast<std::size_t>(T) + static_cast<std::size_t>(S);
-    const auto& kp = k_f32();
-    const auto& vp = v_f32();
-    const std::vector<float> kd = decode_.k.to_float(), vd = decode_.v.to_float();
+    const std::size_t TD = static_cast<std::size_t>(T) * D, SD = static_cast<std::size_t>(S) * D;
     kall_.resize(static_cast<std::size_t>(H) * N * static_cast<std::size_t>(D));
     vall_.resize(kall_.size());
-    const std::size_t TD = static_cast<std::size_t>(T) * D, SD = static_cast<std::size_t>(S) * D;
-    for (int h = 0; h < H; ++h) {
-      const std::size_t o = static_cast<std::size_t>(h) * N * D;
-      std::copy_n(kp.begin() + static_cast<std::ptrdiff_t>(h * TD), TD, kall_.begin() + static_cast<std::ptrdiff_t>(o));
-      std::copy_n(vp.begin() + static_cast<std::ptrdiff_t>(h * TD), TD, vall_.begin() + static_cast<std::ptrdiff_t>(o));
-      std::copy_n(kd.begin() + static_cast<std::ptrdiff_t>(h * SD), SD, kall_.begin() + static_cast<std::ptrdiff_t>(o + TD));
-      std::copy_n(vd.begin() + static_cast<std::ptrdiff_t>(h * SD), SD, vall_.begin() + static_cast<std::ptrdiff_t>(o + TD));
-    }
+    // Head by head straight into place: no whole-layer float32 temporary.
+    auto fill = [&](const trace::Tensor& prefill, const trace::Tensor& decode, std::vector<float>& out) {
+      for (int h = 0; h < H; ++h) {
+        float* o = &out[static_cast<std::size_t>(h) * N * D];
+        convert(prefill, static_cast<std::size_t>(h) * TD, TD, o);
+        convert(decode, static_cast<std::size_t>(h) * SD, SD, o + TD);
+      }
+    };
+    fill(prefill_.k, decode_.k, kall_);
+    fill(prefill_.v, decode_.v, vall_);
   }
   return kall_;
 }
@@ -227,6 +317,7 @@ void LayerData::compute_full_steps() {
   step_output_.resize(static_cast<std::size_t>(S) * Hq * D);
   step_entropy_.resize(static_cast<std::size_t>(S) * Hq);
   step_mass_.resize(static_cast<std::size_t>(S) * Hq * 4);
+  step_mass_f64_.assign(static_cast<std::size_t>(S) * Hq * 4, 0.0);
   std::vector<std::string> errors(static_cast<std::size_t>(H) * S);
 #pragma omp parallel for collapse(2) schedule(dynamic)
   for (int h = 0; h < H; ++h) {
@@ -242,7 +333,17 @@ void LayerData::compute_full_steps() {
       const kernels::Status st = ctx_.backend->full_attention(
           ep, &q[(static_cast<std::size_t>(s) * Hq + static_cast<std::size_t>(h) * G) * D], &k[kv], &v[kv],
           ctx_.modality_all.data(), full_step(h, s));
-      if (!st.ok()) errors[static_cast<std::size_t>(h) * S + s] = st.message();
+      if (!st.ok()) {
+        errors[static_cast<std::size_t>(h) * S + s] = st.message();
+        continue;
+      }
+      const std::size_t len = static_cast<std::size_t>(T + s + 1);
+      const float* probs = full_step(h, s).probs;
+      for (int j = 0; j < G; ++j) {
+        double* mass = &step_mass_f64_[((static_cast<std::size_t>(s) * Hq) + static_cast<std::size_t>(h) * G + j) * 4];
+        const float* pr = probs + static_cast<std::size_t>(j) * len;
+        for (std::size_t t = 0; t < len; ++t) mass[ctx_.modality_all[t]] += pr[t];
+      }
     }
   }
   for (const auto& e : errors)
@@ -258,6 +359,12 @@ kernels::FullAttention LayerData::full_step(int h, int s) {
                                 &step_output_[row * D], &step_entropy_[row], &step_mass_[row * 4]};
 }
 
+const double* LayerData::full_step_mass(int h, int s) const {
+  const std::size_t row = static_cast<std::size_t>(s) * ctx_.geometry.num_q_heads +
+                          static_cast<std::size_t>(h) * ctx_.geometry.group_size();
+  return &step_mass_f64_[row * 4];
+}
+
 const std::vector<float>& LayerData::key_norm_all() {
   if (knorm_all_.empty()) {
     const int H = ctx_.geometry.num_kv_heads, D = ctx_.geometry.head_dim;
@@ -271,8 +378,7 @@ const std::vector<float>& LayerData::key_norm_all() {
 }
 
 void LayerData::prepare(const PolicySpec& p) {
-  k_f32();
-  v_f32();
+  k_all();
   if (!have_steps_) compute_full_steps();
   if (p.mode == PolicyMode::kDecode && p.scorer == ScorerKind::kKeyNorm) key_norm_all();
   switch (p.scorer) {
@@ -291,14 +397,17 @@ void LayerData::prepare(const PolicySpec& p) {
     modality_similarity();
     cross_given();
   }
+  if (p.compress_tokens && p.head_merge && ctx_.geometry.num_kv_heads > 1) merged_heads(p.head_merge_threshold);
+  if (p.scorer == ScorerKind::kUniCache) cross_given();  // alignment protection reads it
 }
 
 const PerModality& LayerData::modality_similarity() {
   if (have_similarity_) return modality_similarity_;
   // Mean cosine over pairs of tokens of the same modality: every token with up to 8 others
   // spread evenly over that modality (deterministic), averaged over kv heads.
-  const auto& k = k_f32();
+  const auto& k = k_all();  // head stride (T + S) * D
   const int D = ctx_.geometry.head_dim, H = ctx_.geometry.num_kv_heads, T = ctx_.T;
+  const std::size_t N = static_cast<std::size_t>(T) + static_cast<std::size_t>(ctx_.S);
   std::vector<std::vector<int>> members(kModalities);
   for (int t = 0; t < T; ++t) members[ctx_.modality[static_cast<std::size_t>(t)]].push_back(t);
   for (int m = 0; m < kModalities; ++m) {
@@ -308,25 +417,37 @@ const PerModality& LayerData::modality_similarity() {
       modality_similarity_[static_cast<std::size_t>(m)] = 0.0;
       continue;
     }
-    double sum = 0;
-    long cnt = 0;
+    // Pair cosines computed in parallel into [H, n, 8] (NaN where a pair does not exist or a key is
+    // zero), then summed serially in (head, token, step) order: the same sum as a serial loop.
     const int stride = std::max(1, n / 9);
+    constexpr int kPairs = 8;
+    std::vector<double> term(static_cast<std::size_t>(H) * n * kPairs, std::nan(""));
+    std::vector<char> counted(term.size(), 0);
+#pragma omp parallel for collapse(2) schedule(static)
     for (int h = 0; h < H; ++h) {
       for (int a = 0; a < n; ++a) {
-        for (int step = 1; step <= 8 && step * stride < n; ++step) {
+        for (int step = 1; step <= kPairs && step * stride < n; ++step) {
           const int b = (a + step * stride) % n;
-          const float* x = &k[(static_cast<std::size_t>(h) * T + idx[static_cast<std::size_t>(a)]) * D];
-          const float* y = &k[(static_cast<std::size_t>(h) * T + idx[static_cast<std::size_t>(b)]) * D];
+          const float* x = &k[(static_cast<std::size_t>(h) * N + idx[static_cast<std::size_t>(a)]) * D];
+          const float* y = &k[(static_cast<std::size_t>(h) * N + idx[static_cast<std::size_t>(b)]) * D];
           double xy = 0, xx = 0, yy = 0;
           for (int d = 0; d < D; ++d) {
             xy += static_cast<double>(x[d]) * y[d];
             xx += static_cast<double>(x[d]) * x[d];
             yy += static_cast<double>(y[d]) * y[d];
           }
-          if (xx > 0 && yy > 0) sum += xy / std::sqrt(xx * yy);
-          ++cnt;
+          const std::size_t i = (static_cast<std::size_t>(h) * n + a) * kPairs + static_cast<std::size_t>(step - 1);
+          counted[i] = 1;
+          if (xx > 0 && yy > 0) term[i] = xy / std::sqrt(xx * yy);
         }
       }
+    }
+    double sum = 0;
+    long cnt = 0;
+    for (std::size_t i = 0; i < term.size(); ++i) {
+      if (!counted[i]) continue;
+      if (!std::isnan(term[i])) sum += term[i];
+      ++cnt;
     }
     modality_similarity_[static_cast<std::size_t>(m)] = cnt ? sum / static_cast<double>(cnt) : 0.0;
   }

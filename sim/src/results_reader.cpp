@@ -1,4 +1,4 @@
-// Reader of HDF5 results files ("kvscope-results" 1.x) with the HDF5 C API. Mirrors the layout
+// Reader of HDF5 results files ("kvscope-results" 1.0 and 1.1) with the HDF5 C API. Mirrors the layout
 // written by report_hdf5.cpp: /points [P], /layers [P, L], /heads [P, L, H], /flags [F].
 #include "kvscope/sim/results_reader.hpp"
 
@@ -163,8 +163,9 @@ struct Records {
   std::vector<std::int64_t> bytes_full_c, bytes_kept_c, bytes_full_m, bytes_kept_m;
   std::vector<std::int64_t> tokens, kept, merged, evicted;
   std::vector<double> output_error, recall, kl, entropy, recall_m, share_before, share_after;
+  std::vector<std::int64_t> bytes_full_end, bytes_end, bytes_peak;  // format 1.1; empty in a 1.0 file
 
-  Records(const Reader& r, const std::string& g, std::vector<hsize_t> lead) {
+  Records(const Reader& r, const std::string& g, std::vector<hsize_t> lead, bool v11) {
     auto with = [&](hsize_t inner) {
       std::vector<hsize_t> d = lead;
       d.push_back(inner);
@@ -185,6 +186,11 @@ struct Records {
     recall_m = r.dataset<double>(g + "/recall_modality", with(kModalities));
     share_before = r.dataset<double>(g + "/share_before", with(kModalities));
     share_after = r.dataset<double>(g + "/share_after", with(kModalities));
+    if (v11) {
+      bytes_full_end = r.dataset<std::int64_t>(g + "/bytes_full_end", lead);
+      bytes_end = r.dataset<std::int64_t>(g + "/bytes_end", lead);
+      bytes_peak = r.dataset<std::int64_t>(g + "/bytes_peak", lead);
+    }
   }
 
   static Bytes bytes(const std::vector<std::int64_t>& c, std::size_t i) {
@@ -211,6 +217,11 @@ struct Records {
     h.quality.attention_recall = recall[i];
     h.quality.kl = kl[i];
     h.quality.entropy_delta = entropy[i];
+    if (!bytes_end.empty()) {
+      h.bytes_full_end = bytes_full_end[i];
+      h.bytes_end = bytes_end[i];
+      h.bytes_peak = bytes_peak[i];
+    }
     return h;
   }
 };
@@ -222,6 +233,18 @@ std::vector<PointResult> read_contents(const Reader& r, ResultsMeta* meta) {
   if (version.substr(0, version.find('.')) != "1") {
     r.fail("/@version", "unsupported version " + version + " (this reader knows 1.x)");
   }
+  // 1.1 added bytes_full_end / bytes_end / bytes_peak and /points/mode: required from 1.1 on; a 1.0
+  // file reads with those bytes 0 and every point in prefill mode (the only mode 1.0 knew).
+  const std::size_t dot = version.find('.');
+  int minor = 0;
+  if (dot != std::string::npos) {
+    try {
+      minor = std::stoi(version.substr(dot + 1));
+    } catch (const std::exception&) {
+      r.fail("/@version", "malformed version " + version);
+    }
+  }
+  const bool v11 = minor >= 1;
   auto count = [&](const char* name) {
     const std::int64_t v = r.attr_i64(name)[0];
     if (v < 0) r.fail(std::string("/@") + name, "negative");
@@ -253,16 +276,19 @@ std::vector<PointResult> read_contents(const Reader& r, ResultsMeta* meta) {
   const std::vector<double> budget_value = r.dataset<double>("/points/budget_value", {P});
   const std::vector<double> seconds = r.dataset<double>("/points/seconds", {P});
   const std::vector<std::uint8_t> pareto = r.dataset<std::uint8_t>("/points/pareto", {P});
-  const Records pr(r, "/points", {P});
+  const Records pr(r, "/points", {P}, v11);
+  const std::vector<std::string> mode =
+      v11 ? r.strings("/points/mode", P) : std::vector<std::string>(P, "prefill");
   const std::vector<std::int32_t> layer = r.dataset<std::int32_t>("/layers/layer", {P, L});
   const std::vector<std::int32_t> merged_heads = r.dataset<std::int32_t>("/layers/merged_heads", {P, L});
-  const Records lr(r, "/layers", {P, L});
+  const Records lr(r, "/layers", {P, L}, v11);
   const std::vector<std::int32_t> kv_head = r.dataset<std::int32_t>("/heads/kv_head", {P, L, H});
-  const Records hr(r, "/heads", {P, L, H});
+  const Records hr(r, "/heads", {P, L, H}, v11);
   for (hsize_t p = 0; p < P; ++p) {
     PointResult& pt = points[p];
     pt.policy = policy[p];
     pt.budget = budget[p];
+    pt.mode = mode[p];
     pt.budget_value = budget_value[p];
     pt.seconds = seconds[p];
     pt.pareto = pareto[p] != 0;
@@ -290,7 +316,7 @@ std::vector<PointResult> read_contents(const Reader& r, ResultsMeta* meta) {
   for (const auto& n : r.dataset<std::int32_t>("/points/num_flags", {P}))
     F += static_cast<hsize_t>(std::max(0, n));
   const std::vector<std::int32_t> fpoint = r.dataset<std::int32_t>("/flags/point", {F});
-  const std::vector<std::string> mode = r.strings("/flags/mode", F);
+  const std::vector<std::string> flag_mode = r.strings("/flags/mode", F);
   const std::vector<std::string> flayers = r.strings("/flags/layers", F);
   const std::vector<std::string> evidence = r.strings("/flags/evidence", F);
   const std::vector<std::string> fix = r.strings("/flags/suggested_fix", F);
@@ -299,7 +325,7 @@ std::vector<PointResult> read_contents(const Reader& r, ResultsMeta* meta) {
       r.fail("/flags/point", "row " + std::to_string(f) + " names point " + std::to_string(fpoint[f]));
     }
     CollapseFlag flag;
-    flag.mode = mode[f];
+    flag.mode = flag_mode[f];
     flag.evidence = evidence[f];
     flag.suggested_fix = fix[f];
     std::size_t pos = 0;

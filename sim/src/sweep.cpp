@@ -354,6 +354,8 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
     // Statistics first (serially, each kernel parallel inside), then the points of this layer
     // in parallel: each point only reads the layer's caches and writes its own result.
     for (const auto& pt : points) layer.prepare(pt.policy);
+    if (options.oracle.enabled) layer.prepare(oracle_policy(options.oracle, ctx));
+    layer.release_prefill();  // the points read only the float32 copy and the statistics from here on
     std::vector<std::string> errors(points.size());
 #pragma omp parallel for schedule(dynamic)
     for (std::size_t i = 0; i < points.size(); ++i) {

@@ -245,3 +245,57 @@ TEST(Backend, CudaMatchesCpu) {
 }
 
 }  // namespace
+
+// The batched prefill-mode evaluation (all decode steps of a kv head in two GEMMs) against one
+// evaluate_attention kernel call per step: same per-row math, only the GEMMs' float rounding
+// differs. Covers eviction, merging (multiplicities), quantization, head merging and GQA (G = 2).
+TEST(Decode, BatchedPrefillEvaluationMatchesPerStepKernel) {
+  PolicyRegistry reg;
+  trace::TraceReader reader(trace_path());
+  for (const char* spec : {"h2o@0.3", "look-m@0.4", "int4", "unicache@0.5", "full", "snapkv+int4@0.2"}) {
+    SCOPED_TRACE(spec);
+    auto [name, budget] = split_policy_budget(spec);
+    const PolicySpec p = reg.get(name);
+    const double keep = budget.kind == Budget::Kind::kNone ? 1.0 : budget.value;
+    TraceContext batched = TraceContext::from_reader(reader);
+    TraceContext stepwise = TraceContext::from_reader(reader);
+    stepwise.batched_evaluation = false;
+    for (int layer = 0; layer < 4; ++layer) {
+      std::vector<std::string> warnings;
+      LayerData La(layer, reader.read_layer(layer), reader.read_decode_layer(layer), batched);
+      LayerData Lb(layer, reader.read_layer(layer), reader.read_decode_layer(layer), stepwise);
+      const LayerResult a = run_policy_on_layer(p, keep, La, batched, warnings);
+      const LayerResult b = run_policy_on_layer(p, keep, Lb, stepwise, warnings);
+      ASSERT_EQ(a.heads.size(), b.heads.size());
+      for (std::size_t h = 0; h < a.heads.size(); ++h) {
+        const Quality& x = a.heads[h].quality;
+        const Quality& y = b.heads[h].quality;
+        EXPECT_EQ(a.heads[h].bytes_kept.total(), b.heads[h].bytes_kept.total());
+        EXPECT_NEAR(x.output_error, y.output_error, 1e-5 * std::max(1.0, y.output_error));
+        EXPECT_DOUBLE_EQ(x.attention_recall, y.attention_recall);  // full side only: bit-identical
+        EXPECT_NEAR(x.kl, y.kl, 1e-6);
+        EXPECT_NEAR(x.entropy_delta, y.entropy_delta, 1e-5);
+        for (int m = 0; m < kModalities; ++m) {
+          EXPECT_DOUBLE_EQ(x.recall_modality[m], y.recall_modality[m]);
+          EXPECT_DOUBLE_EQ(x.share_before[m], y.share_before[m]);
+          EXPECT_NEAR(x.share_after[m], y.share_after[m], 1e-6);
+        }
+      }
+      if (std::string(spec) != "full") continue;
+      for (const auto& h : a.heads) EXPECT_NEAR(h.quality.output_error, 0.0, 1e-6);  // nothing dropped
+    }
+  }
+}
+
+TEST(Decode, StatisticsAfterReleasingThePrefillTensorsAreRefused) {
+  trace::TraceReader reader(trace_path());
+  TraceContext ctx = TraceContext::from_reader(reader);
+  LayerData L(0, reader.read_layer(0), reader.read_decode_layer(0), ctx);
+  PolicyRegistry reg;
+  L.prepare(reg.get("h2o"));
+  L.release_prefill();
+  std::vector<std::string> warnings;
+  // h2o's statistics were prepared: it still runs; snapkv's were not: a clear logic error.
+  EXPECT_NO_THROW(run_policy_on_layer(reg.get("h2o"), 0.5, L, ctx, warnings));
+  EXPECT_THROW(run_policy_on_layer(reg.get("snapkv"), 0.5, L, ctx, warnings), std::logic_error);
+}

@@ -48,6 +48,27 @@ void expect_head_eq(const HeadResult& a, const HeadResult& b) {
   EXPECT_EQ(a.quality.recall_modality, b.quality.recall_modality);
   EXPECT_EQ(a.quality.share_before, b.quality.share_before);
   EXPECT_EQ(a.quality.share_after, b.quality.share_after);
+  EXPECT_EQ(a.bytes_full_end, b.bytes_full_end);
+  EXPECT_EQ(a.bytes_end, b.bytes_end);
+  EXPECT_EQ(a.bytes_peak, b.bytes_peak);
+}
+
+// Distinct non-zero format-1.1 fields on every record, so that a reader ignoring or swapping them fails.
+void set_decode_fields(std::vector<PointResult>& points) {
+  std::int64_t x = 1000;
+  auto set = [&](HeadResult& h) {
+    h.bytes_full_end = x++;
+    h.bytes_end = x++;
+    h.bytes_peak = x++;
+  };
+  for (auto& p : points) {
+    set(p.total);
+    for (auto& l : p.layers) {
+      set(l.total);
+      for (auto& h : l.heads) set(h);
+    }
+  }
+  points[1].mode = "decode";
 }
 
 TEST(ResultsReader, RoundTripsEveryField) {
@@ -57,6 +78,7 @@ TEST(ResultsReader, RoundTripsEveryField) {
   written[1].layers[2].heads[1].bytes_kept.index = 11;
   written[1].layers[2].heads[1].merged[1] = 3;
   written[1].layers[0].merged_heads = 1;
+  set_decode_fields(written);
   ResultsMeta meta = testing::sample_meta();
   meta.created = "2026-01-02T03:04:05Z";
   meta.command_line = "kvsim sweep 'a b'";
@@ -83,6 +105,7 @@ TEST(ResultsReader, RoundTripsEveryField) {
     SCOPED_TRACE("point " + std::to_string(p));
     EXPECT_EQ(got[p].policy, written[p].policy);
     EXPECT_EQ(got[p].budget, written[p].budget);
+    EXPECT_EQ(got[p].mode, written[p].mode);
     EXPECT_EQ(got[p].budget_value, written[p].budget_value);
     EXPECT_EQ(got[p].seconds, written[p].seconds);
     EXPECT_EQ(got[p].pareto, written[p].pareto);
@@ -185,6 +208,40 @@ TEST(ResultsReader, RefusesOtherFormatsAndMajorVersions) {
   // A newer minor version only adds things: still readable.
   const std::string minor = broken_file("minor.h5", [](hid_t f) { set_root_string(f, "version", "1.7"); });
   EXPECT_EQ(read_results_hdf5(minor).size(), 4u);
+}
+
+TEST(ResultsReader, ReadsFormat10FilesWithoutTheDecodeFields) {
+  // A 1.0 file: no bytes_full_end / bytes_end / bytes_peak datasets, no /points/mode.
+  const std::string path = temp_path("v10.h5");
+  std::vector<PointResult> written = testing::sample_points();
+  set_decode_fields(written);
+  write_hdf5(path, written, testing::sample_meta());
+  const hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+  ASSERT_GE(f, 0);
+  for (const char* g : {"/points", "/layers", "/heads"})
+    for (const char* d : {"/bytes_full_end", "/bytes_end", "/bytes_peak"})
+      EXPECT_GE(H5Ldelete(f, (std::string(g) + d).c_str(), H5P_DEFAULT), 0);
+  EXPECT_GE(H5Ldelete(f, "/points/mode", H5P_DEFAULT), 0);
+  set_root_string(f, "version", "1.0");
+  H5Fclose(f);
+  const std::vector<PointResult> got = read_results_hdf5(path);
+  ASSERT_EQ(got.size(), written.size());
+  for (const auto& p : got) {
+    EXPECT_EQ(p.mode, "prefill");
+    EXPECT_EQ(p.total.bytes_end, 0);
+    EXPECT_EQ(p.total.bytes_peak, 0);
+    EXPECT_EQ(p.layers[0].heads[0].bytes_full_end, 0);
+  }
+  // Everything 1.0 had still comes back.
+  EXPECT_EQ(got[1].total.bytes_kept.total(), written[1].total.bytes_kept.total());
+  EXPECT_EQ(got[2].layers[1].heads[1].quality.kl, written[2].layers[1].heads[1].quality.kl);
+}
+
+TEST(ResultsReader, Format11RequiresTheDecodeFields) {
+  expect_error(broken_file("no-peak.h5", [](hid_t f) { H5Ldelete(f, "/heads/bytes_peak", H5P_DEFAULT); }),
+               "/heads/bytes_peak", "missing dataset");
+  expect_error(broken_file("no-mode.h5", [](hid_t f) { H5Ldelete(f, "/points/mode", H5P_DEFAULT); }),
+               "/points/mode", "missing dataset");
 }
 
 TEST(ResultsReader, NamesMissingAndMisshapenDatasets) {

@@ -35,6 +35,9 @@ struct TraceContext {
   bool complexity_known = false;
   Backend* backend = &cpu_backend();             // kernels of the attention, evaluation, quantization, selection
   std::vector<std::uint8_t> modality_all;        // [T + S] context modalities, then 0 (text) per decode token
+  // Prefill mode on the CPU backend: evaluate the S decode steps of a kv head in one batched pass
+  // (two GEMMs) instead of one kernel call per step; same math, GEMM rounding may differ.
+  bool batched_evaluation = true;
 
   static TraceContext from_reader(const trace::TraceReader& reader);
   const kernels::NeighbourTable& neighbour_lists(int seq_radius, int grid_radius);
@@ -48,8 +51,6 @@ class LayerData {
   int layer() const { return layer_; }
   const trace::LayerTensors& prefill() const { return prefill_; }
   const trace::LayerTensors& decode() const { return decode_; }
-  const std::vector<float>& k_f32();  // [Hkv, T, D]
-  const std::vector<float>& v_f32();  // [Hkv, T, D]
 
   const std::vector<float>& h2o();                            // accumulated attention, summed over GQA groups
   const std::vector<float>& snapkv(const kernels::SnapKVParams& p);
@@ -68,7 +69,8 @@ class LayerData {
   const kernels::FullAttention& full_attention(bool proportional_attention);
 
   // Causal evaluation (both modes): decode query s attends to the T context tokens and the decode
-  // tokens 0..s. Keys / values of every token, float32 [Hkv, T + S, D] (context, then decode).
+  // tokens 0..s. Keys / values of every token, float32 [Hkv, T + S, D] (context, then decode): the
+  // layer's only float32 copy; the context of head h is rows [h * (T + S), h * (T + S) + T).
   const std::vector<float>& k_all();
   const std::vector<float>& v_all();
   // Decode queries by step, float32 [S, Hq, D]: the G query heads of kv head h at step s are
@@ -77,11 +79,30 @@ class LayerData {
   // Full attention of kv head h's query heads at step s over tokens 0 .. T + s (G rows).
   // Requires prepare_steps() (or prepare()) first; it fills every step of the layer.
   kernels::FullAttention full_step(int kv_head, int step);
+  // Full attention mass per modality of those G rows, in double, summed over tokens 0 .. T + s in
+  // order (the evaluation kernel's own sum, shared by every point of the layer): [G, 4].
+  const double* full_step_mass(int kv_head, int step) const;
   void prepare_steps() {
     if (!have_steps_) compute_full_steps();
   }
   // -||k|| of every token [Hkv, T + S] (decode-mode knorm scorer).
   const std::vector<float>& key_norm_all();
+
+  // Kv heads merged at a similarity threshold (kernels::cpu::merge_heads on the prefill K/V),
+  // computed once per layer and threshold and shared by every point that merges heads.
+  struct MergedHeads {
+    int num_heads = 0;                  // Hw
+    std::vector<std::int32_t> cluster;  // [Hkv] merged head of each kv head
+    std::vector<int> row;               // [Hw] row of k / v holding merged head w, -1 for one member
+    std::vector<int> source_head;       // [Hw] the kv head of a one-member cluster (read from k_all)
+    std::vector<float> k, v;            // [clusters of several heads, T, D] float32
+  };
+  const MergedHeads& merged_heads(float threshold);
+
+  // Drops the trace's prefill tensors once every statistic the points need is computed
+  // (prepare()): afterwards only the float32 copy (k_all / v_all) and the cached statistics are
+  // held. A statistic first asked for after this throws std::logic_error.
+  void release_prefill();
 
  private:
   kernels::AttentionProblem problem() const;
@@ -89,7 +110,7 @@ class LayerData {
   int layer_;
   trace::LayerTensors prefill_, decode_;
   TraceContext& ctx_;
-  std::vector<float> k32_, v32_, h2o_, tova_, knorm_, received_, given_;
+  std::vector<float> h2o_, tova_, knorm_, received_, given_;
   std::map<std::tuple<int, int, int>, std::vector<float>> snap_;
   std::map<std::pair<int, int>, std::vector<float>> redundancy_;
   PerModality modality_similarity_{};
@@ -100,8 +121,12 @@ class LayerData {
   std::vector<float> kall_, vall_, qsteps_, knorm_all_;
   std::vector<float> step_probs_, step_output_, step_entropy_, step_mass_;  // ragged by step
   std::vector<std::size_t> step_probs_offset_;                            // [S] start of step s in step_probs_
+  std::vector<double> step_mass_f64_;                                     // [S, Hq, 4]
   bool have_steps_ = false;
   bool have_similarity_ = false;
+  bool prefill_released_ = false;
+  std::map<float, MergedHeads> merged_;
+  void require_prefill(const char* what) const;
 };
 
 // Decode-time mode (docs/policies.md): the cache starts with the context (all of it, or the
@@ -125,10 +150,26 @@ double adaptive_rate(double complexity);
 // that do not compress tokens.
 double keep_fraction(const PolicySpec& policy, const Budget& budget, const TraceContext& ctx);
 
+// ---- closed-loop evaluation (issue 6; sim/src/closed_loop.cpp) ----
+// The compressed context cache of one layer exactly as run_policy_on_layer built it: per working head
+// (after head merging) the slots' keys and values as evaluated (merged, dequantized), multiplicities and
+// the context token each slot started as.
+struct CompressedLayer {
+  struct Head {
+    std::vector<float> k, v;                 // [K, D] float32
+    std::vector<std::int32_t> multiplicity;  // [K]
+    std::vector<std::int32_t> token;         // [K] context token index of each slot
+  };
+  std::vector<std::int32_t> cluster;  // [Hkv] working head of each kv head
+  std::vector<Head> heads;            // [Hw]
+};
+
 // Runs `policy` with a mean keep fraction on one layer. Warnings (e.g. a budget
 // clamped up to the forced set) are appended to `warnings`.
 // With record_tokens, LayerResult::token_maps says what happened to every token of every kv head.
+// With `compressed`, the compressed context cache is also returned (closed-loop evaluation).
 LayerResult run_policy_on_layer(const PolicySpec& policy, double keep, LayerData& layer, TraceContext& ctx,
-                                std::vector<std::string>& warnings, bool record_tokens = false);
+                                std::vector<std::string>& warnings, bool record_tokens = false,
+                                CompressedLayer* compressed = nullptr);
 
 }  // namespace kvscope::sim

@@ -29,6 +29,8 @@ class ResultsReadError : public std::runtime_error {
 // Reads every point (with its layers, heads, flags and Pareto mark) of a results file; fills *meta
 // when non-null. Padding rows (layer or kv head index -1) are dropped, so a point gets back
 // exactly the layers and heads it was written with. Refuses other formats and major versions.
+// Reads 1.0 files too: the 1.1 fields (bytes_full_end, bytes_end, bytes_peak, mode) are then 0 and
+// "prefill"; from 1.1 on they are required.
 // Thread-compatible: HDF5 is not thread-safe, so callers serialise it with any other HDF5 use.
 std::vector<PointResult> read_results_hdf5(const std::string& path, ResultsMeta* meta = nullptr);
 

@@ -1,0 +1,12 @@
+// `kvcap eval`: closed-loop evaluation of policies on held-out samples (source: sim/tools/eval_command.cpp).
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace kvscope::cli {
+
+// Returns the exit status: 0 done, 2 bad input (one line on stderr).
+int eval_command(const std::vector<std::string>& args);
+
+}  // namespace kvscope::cli

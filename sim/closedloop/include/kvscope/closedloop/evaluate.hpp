@@ -1,0 +1,90 @@
+// Closed-loop evaluation (issue 6): held-out samples, runs with a ClosedLoopHook, and per (policy, budget)
+// point the exact-match accuracy (overall and per family), the next-token KL against the uncompressed run
+// and the bytes the cache held. Used by `kvcap eval`.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kvscope/closedloop/hook.hpp"
+#include "kvscope/runner/model.hpp"
+#include "kvscope/sim/policy.hpp"
+
+namespace kvscope::closedloop {
+
+// Bad evaluation input (missing or malformed heldout.json, too few samples): the message names the file.
+class EvalError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+constexpr std::array<const char*, 4> kFamilies = {"fine-grained", "counting", "two-image", "text-only"};
+int family_index(const std::string& family);  // -1 when unknown
+
+struct HeldoutSample {
+  int index = 0;
+  int family = 0;  // index into kFamilies
+  std::string question, answer;
+  std::vector<std::uint64_t> image_seeds;
+};
+
+// Reads DIR/heldout.json (written by kvscope.tinyvlm.export_samples). Throws EvalError.
+std::vector<HeldoutSample> load_heldout(const std::string& model_dir);
+
+// One run: greedy generation (forced == nullptr) or teacher forcing on `forced` (the logits at each of its
+// positions; the token fed after position i is forced[i]). `hook` (may be null: uncompressed) is used as
+// cache hook and observer. Same loop and stopping rule as runner::Model::generate.
+struct RunResult {
+  std::vector<std::int32_t> tokens;        // generated (or forced) ids, ending with <eos> when produced
+  std::vector<std::vector<float>> logits;  // [tokens.size()][V]: the logits each token was chosen from
+  double seconds = 0;
+  std::int64_t held_bytes = 0;  // hook->held_bytes() of the final cache (0 without a hook)
+};
+RunResult run_sample(runner::Model& model, const runner::Prompt& prompt, ClosedLoopHook* hook, int max_new,
+                     const std::vector<std::int32_t>* forced = nullptr);
+
+// KL(P_ref || P) of softmax(logits) in double.
+double next_token_kl(const std::vector<float>& ref_logits, const std::vector<float>& logits);
+
+struct EvalPoint {
+  std::string policy, budget;  // canonical name, budget as given ("-" for none)
+  sim::PolicySpec spec;
+  sim::Budget budget_spec;
+};
+
+struct PointStats {
+  std::string policy, budget;
+  int samples = 0;
+  double keep = 1;                          // mean keep fraction the policy used
+  double accuracy = 0;                      // exact match of the answer tokens + <eos>
+  std::array<double, 4> family_accuracy{};  // NaN when no sample of the family
+  std::array<int, 4> family_samples{};
+  double kl = 0;         // mean next-token KL vs the uncompressed run (see docs)
+  double agreement = 0;  // share of samples whose generated tokens equal the uncompressed run's
+  double bytes_end = 0, bytes_peak = 0, bytes_full_end = 0;  // means over samples
+  std::array<double, 4> bytes_end_modality{};
+  double bytes_ratio = 1;   // bytes_end / bytes_full_end
+  bool bytes_match = true;  // runner-held bytes == kvsim's predicted bytes for every sample
+  double seconds = 0;       // wall time of the point
+  int warnings = 0;         // samples whose replay warned (budget clamped to the forced set)
+};
+
+// The uncompressed reference of one sample.
+struct Reference {
+  runner::Prompt prompt;
+  std::vector<std::int32_t> answer_ids;  // dataset answer + <eos>
+  RunResult run;
+};
+std::vector<Reference> make_references(runner::Model& model, const std::vector<HeldoutSample>& samples,
+                                       int max_new);
+
+// Runs one point on every reference. `progress(done)` is called after each sample.
+PointStats evaluate_point(runner::Model& model, const EvalPoint& point,
+                          const std::vector<HeldoutSample>& samples, const std::vector<Reference>& refs,
+                          int max_new, const std::function<void(int)>& progress = {});
+
+}  // namespace kvscope::closedloop

@@ -1,0 +1,178 @@
+// kvcap eval: runs held-out samples of the tiny VLM with each policy x budget applied to the runner's real
+// KV cache (closed loop, kvscope::closedloop) and reports accuracy, KL against the uncompressed run and
+// bytes.
+#include "kvscope/closedloop/eval_command.hpp"
+
+#include <algorithm>
+#include <boost/program_options.hpp>
+#include <chrono>
+#include <iostream>
+#include <numeric>
+#include <set>
+
+#include "kvscope/cli/progress.hpp"
+#include "kvscope/closedloop/evaluate.hpp"
+#include "kvscope/closedloop/report.hpp"
+#include "kvscope/runner/error.hpp"
+#include "kvscope/sim/sweep.hpp"
+
+namespace po = boost::program_options;
+
+namespace kvscope::cli {
+
+namespace {
+
+int fail(const std::string& msg) {
+  std::cerr << "kvcap eval: " << msg << "\n";
+  return 2;
+}
+
+std::vector<std::string> split_commas(const std::string& text) {
+  std::vector<std::string> out;
+  std::size_t start = 0;
+  while (start <= text.size()) {
+    const std::size_t end = std::min(text.find(',', start), text.size());
+    if (end > start) out.push_back(text.substr(start, end - start));
+    start = end + 1;
+  }
+  return out;
+}
+
+po::options_description make_options() {
+  po::options_description opts(
+      "kvcap eval --model DIR --policies a,b,... [--budgets LIST] [--samples N] [options]\n\n"
+      "Closed-loop evaluation: for every policy x budget, runs N held-out samples (DIR/heldout.json, written "
+      "by\n"
+      "python3 -m kvscope.tinyvlm.export_samples) through the reference runner with the policy applied to\n"
+      "its real KV cache after prefill by kvsim's own policy code, and generates from the compressed cache.\n"
+      "Reports exact-match accuracy (overall and per family), the mean next-token KL against the\n"
+      "uncompressed run (teacher-forced on its answer), and the bytes the cache held (per modality).\n"
+      "'full' is always evaluated as the reference; quantization-only policies run once (budget '-').\n"
+      "Decode-time policies (NAME~decode[:N]) evict during decoding with kvsim's decode-time rule.\n"
+      "Method: docs/results-format.md, section \"Closed-loop results (kvcap eval)\".\n\nOptions");
+  opts.add_options()("help,h", "show this help")(
+      "model", po::value<std::string>(),
+      "model directory (config.json, model.safetensors, vocab.json, "
+      "heldout.json)")("policies", po::value<std::string>(),
+                       "comma-separated kvsim policy names (presets, compositions a+b)")(
+      "budgets", po::value<std::string>()->default_value("0.5"),
+      "kvsim budget list: fractions, ranges a:b:step, NNtok, byte sizes (e.g. 0.1:0.5:0.1,64KiB)")(
+      "samples", po::value<int>()->default_value(200), "held-out samples per point")(
+      "seed", po::value<unsigned long long>()->default_value(0),
+      "0: samples 0..N-1 of heldout.json; else a random N-subset drawn with this seed")(
+      "max-new", po::value<int>()->default_value(10),
+      "answer tokens generated at most (answers are 3-8 + <eos>)")(
+      "policy-file", po::value<std::string>(), "INI file with extra [policy NAME] sections (kvsim syntax)")(
+      "output,o", po::value<std::string>(), "HDF5 results file (group /closed_loop)")(
+      "csv", po::value<std::string>(), "CSV results file (one row per point)")(
+      "threads", po::value<int>()->default_value(1),
+      "OpenMP threads of the runner and kernels (0 = OpenMP default); a sample is a few ms of "
+      "work, so 1 is fastest on a shared machine")("quiet,q", "no progress bar");
+  return opts;
+}
+
+}  // namespace
+
+int eval_command(const std::vector<std::string>& args) {
+  const po::options_description opts = make_options();
+  po::variables_map vm;
+  try {
+    po::store(po::command_line_parser(args).options(opts).run(), vm);
+    po::notify(vm);
+  } catch (const po::error& e) {
+    return fail(std::string(e.what()) + " (see kvcap eval --help)");
+  }
+  if (vm.count("help")) {
+    std::cout << opts << "\nExample:\n"
+              << "  kvcap eval --model traces/models/tiny-shapes --policies h2o,snapkv,int8 \\\n"
+                 "      --budgets 0.1,0.3,0.5 --samples 200 -o closed.h5 --csv closed.csv\n";
+    return 0;
+  }
+  for (const char* required : {"model", "policies"})
+    if (!vm.count(required)) return fail(std::string("missing --") + required + " (see kvcap eval --help)");
+  const std::string model_dir = vm["model"].as<std::string>();
+  const int n = vm["samples"].as<int>(), max_new = vm["max-new"].as<int>(), threads = vm["threads"].as<int>();
+  const unsigned long long seed = vm["seed"].as<unsigned long long>();
+  if (n < 1) return fail("--samples must be >= 1");
+  if (max_new < 1 || max_new > 64) return fail("--max-new must be in 1..64");
+  if (threads < 0) return fail("--threads must not be negative");
+
+  // Points: policies x budgets in kvsim's syntax, `full` first.
+  std::vector<sim::SweepPoint> points;
+  try {
+    sim::PolicyRegistry registry;
+    if (vm.count("policy-file")) registry.load_ini(vm["policy-file"].as<std::string>());
+    std::vector<sim::PolicySpec> specs{registry.get("full")};
+    std::set<std::string> seen{"full"};
+    for (const auto& name : split_commas(vm["policies"].as<std::string>())) {
+      sim::PolicySpec p = registry.get(name);
+      if (p.mode == sim::PolicyMode::kDecode) sim::check_decode_support(p, "policy '" + name + "'");
+      if (seen.insert(p.name).second) specs.push_back(std::move(p));
+    }
+    points = sim::make_sweep_points(specs, sim::parse_budget_list(vm["budgets"].as<std::string>()));
+  } catch (const std::exception& e) {
+    return fail(e.what());
+  }
+
+  std::vector<closedloop::HeldoutSample> samples;
+  try {
+    samples = closedloop::load_heldout(model_dir);
+  } catch (const closedloop::EvalError& e) {
+    return fail(e.what());
+  }
+  if (static_cast<std::size_t>(n) > samples.size()) {
+    return fail("--samples " + std::to_string(n) + " but " + model_dir + "/heldout.json has only " +
+                std::to_string(samples.size()) +
+                " (export more with kvscope.tinyvlm.export_samples --count)");
+  }
+  if (seed != 0) {  // seeded subset: Fisher-Yates prefix with splitmix64
+    runner::SplitMix64 rng(seed);
+    for (int i = 0; i < n; ++i) {
+      const std::size_t j =
+          static_cast<std::size_t>(i) + rng.uniform(samples.size() - static_cast<std::size_t>(i));
+      std::swap(samples[static_cast<std::size_t>(i)], samples[j]);
+    }
+  }
+  samples.resize(static_cast<std::size_t>(n));
+  closedloop::set_threads(threads);
+
+  try {
+    runner::Model model = runner::Model::load(model_dir);
+    const std::size_t total = (points.size() + 1) * samples.size();
+    ProgressBar bar("eval", total, !vm.count("quiet"));
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::vector<closedloop::Reference> refs = closedloop::make_references(model, samples, max_new);
+    closedloop::EvalRunInfo info;
+    info.model = model_dir;
+    info.samples = n;
+    info.max_new = max_new;
+    info.seed = seed;
+    info.reference_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::size_t done = samples.size();
+    bar.update(done);
+    std::vector<closedloop::PointStats> stats;
+    for (const auto& sp : points) {
+      closedloop::EvalPoint ep;
+      ep.spec = sp.policy;
+      ep.policy = sp.policy.name;
+      ep.budget_spec = sp.budget;
+      ep.budget = sp.budget.text.empty() ? "-" : sp.budget.text;
+      stats.push_back(closedloop::evaluate_point(
+          model, ep, samples, refs, max_new, [&](int k) { bar.update(done + static_cast<std::size_t>(k)); }));
+      done += samples.size();
+    }
+    bar.finish();
+    closedloop::write_table(std::cout, stats);
+    std::cout << "reference (uncompressed) runs: " << samples.size() << " samples in "
+              << format_seconds(info.reference_seconds) << "\n";
+    if (vm.count("csv")) closedloop::write_csv(vm["csv"].as<std::string>(), stats);
+    if (vm.count("output")) closedloop::write_hdf5(vm["output"].as<std::string>(), info, stats);
+  } catch (const runner::RunnerError& e) {
+    return fail(e.what());
+  } catch (const std::exception& e) {
+    return fail(e.what());
+  }
+  return 0;
+}
+
+}  // namespace kvscope::cli
