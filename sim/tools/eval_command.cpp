@@ -65,6 +65,9 @@ po::options_description make_options() {
       "policy-file", po::value<std::string>(), "INI file with extra [policy NAME] sections (kvsim syntax)")(
       "output,o", po::value<std::string>(), "HDF5 results file (group /closed_loop)")(
       "csv", po::value<std::string>(), "CSV results file (one row per point)")(
+      "answers", po::value<std::string>(),
+      "CSV of the generated answers, one row per point x sample: sample, family, policy, budget, "
+      "generated, expected, correct")(
       "threads", po::value<int>()->default_value(1),
       "OpenMP threads of the runner and kernels (0 = OpenMP default); a sample is a few ms of "
       "work, so 1 is fastest on a shared machine")("quiet,q", "no progress bar");
@@ -166,6 +169,7 @@ int eval_command(const std::vector<std::string>& args) {
     std::cout << "reference (uncompressed) runs: " << samples.size() << " samples in "
               << format_seconds(info.reference_seconds) << "\n";
     if (vm.count("csv")) closedloop::write_csv(vm["csv"].as<std::string>(), stats);
+    if (vm.count("answers")) closedloop::write_answers(vm["answers"].as<std::string>(), samples, stats);
     if (vm.count("output")) closedloop::write_hdf5(vm["output"].as<std::string>(), info, stats);
   } catch (const runner::RunnerError& e) {
     return fail(e.what());

@@ -152,6 +152,9 @@ PointStats evaluate_point(runner::Model& model, const EvalPoint& point,
     st.bytes_full_end += static_cast<double>(token_bytes * (ref.prompt.size() + hook.decode_steps()));
     keep_sum += hook.keep();
     st.warnings += hook.warnings().empty() ? 0 : 1;
+    std::string text;
+    for (const std::int32_t t : run.tokens) text += (text.empty() ? "" : " ") + model.vocab().text(t);
+    st.generated.push_back(std::move(text));
     const int fam = samples[i].family;
     ++st.family_samples[static_cast<std::size_t>(fam)];
     if (run.tokens == ref.answer_ids) {

@@ -166,6 +166,36 @@ void write_hdf5(const std::string& path, const EvalRunInfo& info, const std::vec
   std::filesystem::rename(tmp, path);
 }
 
+namespace {
+std::string csv_field(const std::string& s) {
+  if (s.find_first_of(",\"\n") == std::string::npos) return s;
+  std::string q = "\"";
+  for (char c : s) q += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return q + "\"";
+}
+}  // namespace
+
+void write_answers(const std::string& path, const std::vector<HeldoutSample>& samples,
+                   const std::vector<PointStats>& points) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp);
+    if (!f) throw std::runtime_error("cannot write " + path);
+    f << "sample,family,policy,budget,generated,expected,correct\n";
+    for (const auto& p : points) {
+      for (std::size_t i = 0; i < p.generated.size() && i < samples.size(); ++i) {
+        const HeldoutSample& s = samples[i];
+        const bool correct = p.generated[i] == s.answer + " <eos>";
+        f << s.index << "," << kFamilies[static_cast<std::size_t>(s.family)] << "," << csv_field(p.policy)
+          << "," << csv_field(p.budget) << "," << csv_field(p.generated[i]) << "," << csv_field(s.answer)
+          << "," << (correct ? 1 : 0) << "\n";
+      }
+    }
+    if (!f) throw std::runtime_error("cannot write " + path);
+  }
+  std::filesystem::rename(tmp, path);
+}
+
 void set_threads(int n) {
   if (n >= 1) omp_set_num_threads(n);
 }

@@ -71,6 +71,8 @@ struct PointStats {
   bool bytes_match = true;  // runner-held bytes == kvsim's predicted bytes for every sample
   double seconds = 0;       // wall time of the point
   int warnings = 0;         // samples whose replay warned (budget clamped to the forced set)
+  // Per sample: the generated answer, tokens joined by spaces ("<eos>" included when produced).
+  std::vector<std::string> generated;
 };
 
 // The uncompressed reference of one sample.

@@ -20,6 +20,10 @@ void write_table(std::ostream& os, const std::vector<PointStats>& points);
 // Both write to PATH.tmp and rename; throw std::runtime_error naming the file.
 void write_csv(const std::string& path, const std::vector<PointStats>& points);
 void write_hdf5(const std::string& path, const EvalRunInfo& info, const std::vector<PointStats>& points);
+// One row per point x sample: sample (heldout index), family, policy, budget, generated (tokens joined by
+// spaces, "<eos>" included when produced), expected (dataset answer), correct (0/1). PATH.tmp + rename.
+void write_answers(const std::string& path, const std::vector<HeldoutSample>& samples,
+                   const std::vector<PointStats>& points);
 
 // Sets the OpenMP thread count of the runner and the simulator kernels (n >= 1).
 void set_threads(int n);
