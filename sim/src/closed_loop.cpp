@@ -127,22 +127,6 @@ trace::Tensor steps_tensor(const std::vector<float>& rows, std::size_t heads, st
 
 }  // namespace
 
-Bytes resident_bytes(const PolicySpec& p, int K, int D, trace::DType dtype) {
-  Bytes b;
-  if (p.key_quant && K > 0) {
-    for (const kernels::QuantSpec* q : {&*p.key_quant, &*p.value_quant}) {
-      const auto qb = kernels::quantized_bytes(*q, 1, K, D, dtype);
-      b.kv += qb.codes;
-      b.scales += qb.scales;
-      b.zeros += qb.zeros;
-      b.residual += qb.residual;
-    }
-  } else {
-    b.kv = 2ll * K * D * static_cast<std::int64_t>(kernels::dtype_bytes(dtype));
-  }
-  return b;
-}
-
 DecodeCompressor::DecodeCompressor(PolicySpec policy, Budget budget, const trace::ModelGeometry& geometry,
                                    trace::DType dtype, const ContextLabels& labels)
     : policy_(std::move(policy)) {

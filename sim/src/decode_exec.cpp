@@ -6,6 +6,7 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "exec_util.hpp"
 #include "evaluation.hpp"
 #include "kvscope/sim/engine.hpp"
 
@@ -13,23 +14,21 @@ namespace kvscope::sim {
 
 namespace {
 
-void check(const kernels::Status& s, const char* what) {
-  if (!s.ok()) throw std::runtime_error(std::string(what) + ": " + s.message());
-}
+using detail::check;
 
-// Same hash as the prefill-mode random scorer, over token ids (decode token j is T + j).
-float random_score(std::uint64_t seed, int layer, int h, int t) {
-  std::uint64_t x = seed * 0x100000001b3ull ^ (static_cast<std::uint64_t>(layer) << 40) ^
-                    (static_cast<std::uint64_t>(h) << 24) ^ static_cast<std::uint64_t>(t);
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  x ^= x >> 31;
-  return static_cast<float>(x >> 40) / 16777216.0f;
-}
+struct HeadState {
+  std::vector<std::int32_t> tokens;  // resident token ids, ascending (context t < T, decode T + j)
+  std::vector<float> k, v;           // [tokens, D] float32, as captured
+  std::vector<float> acc;            // [T + S] accumulated attention by token id (H2O)
+  std::vector<std::int64_t> before, after;  // [S] resident bytes per step
+  std::vector<std::int32_t> evicted, slots;  // [S] tokens evicted, slots after the step
+  std::string error;
+  bool clamped = false;
+};
 
-// Bytes of one kv head's cache of K tokens (K and V, quantized when the policy quantizes).
-Bytes cache_bytes(const PolicySpec& p, int K, int D, kernels::DType dtype) {
+}  // namespace
+
+Bytes resident_bytes(const PolicySpec& p, int K, int D, trace::DType dtype) {
   Bytes b;
   if (p.key_quant && K > 0) {
     for (const kernels::QuantSpec* q : {&*p.key_quant, &*p.value_quant}) {
@@ -44,18 +43,6 @@ Bytes cache_bytes(const PolicySpec& p, int K, int D, kernels::DType dtype) {
   }
   return b;
 }
-
-struct HeadState {
-  std::vector<std::int32_t> tokens;  // resident token ids, ascending (context t < T, decode T + j)
-  std::vector<float> k, v;           // [tokens, D] float32, as captured
-  std::vector<float> acc;            // [T + S] accumulated attention by token id (H2O)
-  std::vector<std::int64_t> before, after;  // [S] resident bytes per step
-  std::vector<std::int32_t> evicted, slots;  // [S] tokens evicted, slots after the step
-  std::string error;
-  bool clamped = false;
-};
-
-}  // namespace
 
 LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep, double cap_keep, LayerData& L,
                                        TraceContext& ctx, std::vector<std::string>& warnings, bool record_tokens) {
@@ -129,7 +116,7 @@ LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep,
         hs.k.insert(hs.k.end(), kh + static_cast<std::size_t>(tok) * D, kh + static_cast<std::size_t>(tok + 1) * D);
         hs.v.insert(hs.v.end(), vh + static_cast<std::size_t>(tok) * D, vh + static_cast<std::size_t>(tok + 1) * D);
         int K = static_cast<int>(hs.tokens.size());
-        hs.before[static_cast<std::size_t>(s)] = cache_bytes(p, K, D, ctx.dtype).total();
+        hs.before[static_cast<std::size_t>(s)] = resident_bytes(p, K, D, ctx.dtype).total();
         // What the query attends to: the resident cache, dequantized when the policy quantizes.
         const float* ek = hs.k.data();
         const float* ev = hs.v.data();
@@ -210,7 +197,10 @@ LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep,
             break;
           case ScorerKind::kRandom:
             scores.resize(static_cast<std::size_t>(K));
-            for (int i = 0; i < K; ++i) scores[static_cast<std::size_t>(i)] = random_score(p.seed, layer, h, hs.tokens[static_cast<std::size_t>(i)]);
+            for (int i = 0; i < K; ++i) {
+              const auto u = static_cast<std::size_t>(i);
+              scores[u] = detail::random_token_score(p.seed, layer, h, hs.tokens[u]);
+            }
             break;
           default:  // none, recency: newest first
             scores.resize(static_cast<std::size_t>(K));
@@ -245,7 +235,7 @@ LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep,
         hs.k.swap(nk);
         hs.v.swap(nv);
         K = count;
-        hs.after[static_cast<std::size_t>(s)] = cache_bytes(p, K, D, ctx.dtype).total();
+        hs.after[static_cast<std::size_t>(s)] = resident_bytes(p, K, D, ctx.dtype).total();
         hs.slots[static_cast<std::size_t>(s)] = K;
       }
     } catch (const std::exception& e) {
@@ -290,7 +280,7 @@ LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep,
       ++slots_m[ctx.modality[static_cast<std::size_t>(t)]];
       ++context_slots;
     }
-    const Bytes end = cache_bytes(p, K, D, ctx.dtype);
+    const Bytes end = resident_bytes(p, K, D, ctx.dtype);
     // The context's share of the final cache, by slot count (decode tokens hold the rest).
     const double share = K ? static_cast<double>(context_slots) / K : 0.0;
     auto part = [&](std::int64_t x) { return static_cast<std::int64_t>(std::llround(static_cast<double>(x) * share)); };

@@ -3,6 +3,7 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "exec_util.hpp"
 #include "kvscope/kernels/attention_stats.hpp"
 #include "kvscope/kernels/head_merge.hpp"
 #include "kvscope/kernels/scores.hpp"
@@ -11,9 +12,7 @@
 namespace kvscope::sim {
 
 namespace {
-void check(const kernels::Status& s, const char* what) {
-  if (!s.ok()) throw std::runtime_error(std::string(what) + ": " + s.message());
-}
+using detail::check;
 }  // namespace
 
 TraceContext TraceContext::from_reader(const trace::TraceReader& reader) {

@@ -5,6 +5,7 @@
 #include <numeric>
 #include <stdexcept>
 
+#include "exec_util.hpp"
 #include "kvscope/kernels/compact.hpp"
 #include "kvscope/kernels/evaluate.hpp"
 #include "kvscope/kernels/head_merge.hpp"
@@ -18,16 +19,7 @@ namespace kvscope::sim {
 
 namespace {
 
-void check(const kernels::Status& s, const char* what) {
-  if (!s.ok()) throw std::runtime_error(std::string(what) + ": " + s.message());
-}
-
-std::uint64_t splitmix(std::uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
+using detail::check;
 
 constexpr int kVision = static_cast<int>(kernels::Modality::kVision);
 constexpr int kText = static_cast<int>(kernels::Modality::kText);
@@ -160,9 +152,7 @@ LayerResult run_policy_on_layer(const PolicySpec& p, double keep, LayerData& L, 
       case ScorerKind::kRandom:
         for (int h = 0; h < H; ++h)
           for (int t = 0; t < T; ++t) {
-            const std::uint64_t r = splitmix(p.seed * 0x100000001b3ull ^ (static_cast<std::uint64_t>(layer) << 40) ^
-                                             (static_cast<std::uint64_t>(h) << 24) ^ static_cast<std::uint64_t>(t));
-            per_kv[static_cast<std::size_t>(h) * T + t] = static_cast<float>(r >> 40) / 16777216.0f;
+            per_kv[static_cast<std::size_t>(h) * T + t] = detail::random_token_score(p.seed, layer, h, t);
           }
         break;
       case ScorerKind::kVisionStride:

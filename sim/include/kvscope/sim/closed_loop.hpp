@@ -101,7 +101,5 @@ class DecodeCompressor {
   std::vector<std::string> warnings_;
 };
 
-// Bytes of one kv head's cache of K slots under `policy`'s quantizer (decode-time mode accounting).
-Bytes resident_bytes(const PolicySpec& policy, int K, int D, trace::DType dtype);
 
 }  // namespace kvscope::sim

@@ -129,6 +129,11 @@ class LayerData {
   void require_prefill(const char* what) const;
 };
 
+// Bytes of one kv head's cache of K slots under `policy`'s quantizer (K and V codes, scales, zero
+// points, full-precision residual; plain K and V when the policy does not quantize). The decode-time
+// replay and the closed loop count resident caches with it.
+Bytes resident_bytes(const PolicySpec& policy, int K, int D, trace::DType dtype);
+
 // Decode-time mode (docs/policies.md): the cache starts with the context (all of it, or the
 // tokens a prefill pass at `prefill_keep` < 1 kept), each decode step appends its token, and
 // every policy.interval steps the policy evicts down to `cap_keep` of T tokens (>= 1: never).
