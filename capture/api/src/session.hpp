@@ -55,7 +55,7 @@ class Session {
   void check_writer(const char* where) const;
   void check_layer(const char* where, std::int32_t layer) const;
   void enqueue_tensors(JobKind kind, int layer, int step, const TensorLayout (&t)[3]);
-  void stop_writer(bool discard) noexcept;
+  void stop_writer() noexcept;  // writes every queued job, then joins the writer thread
   void writer_main() noexcept;
   void handle(Job& job);
   std::vector<std::byte> to_trace_dtype(const Job& job, int which, const char* what) const;
@@ -88,7 +88,7 @@ class Session {
     std::vector<std::byte> q, k, v;  // step-major [S][H][D] in the trace dtype
   };
   std::vector<DecodeStore> decode_store_;
-  std::atomic<bool> discard_{false};
+  std::atomic<bool> discard_{false};  // set after a writer error: later jobs are dropped, not written
   std::atomic<std::uint64_t> tensors_written_{0}, layers_written_{0};
   mutable std::mutex error_mutex_;
   std::optional<Failure> writer_error_;

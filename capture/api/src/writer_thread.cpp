@@ -128,9 +128,8 @@ void Session::handle(Job& job) {
   }
 }
 
-void Session::stop_writer(bool discard) noexcept {
+void Session::stop_writer() noexcept {
   if (!running_) return;
-  if (discard) discard_ = true;
   Job stop;
   stop.kind = JobKind::kStop;
   queue_.push(std::move(stop));
@@ -196,7 +195,7 @@ void Session::write_decode_and_profile() {
 
 void Session::close() {
   const char* where = "kvscope_capture_close";
-  stop_writer(false);  // every queued tensor is written before anything else
+  stop_writer();  // every queued tensor is written before anything else
   const std::string missing = missing_parts();
   {
     std::lock_guard<std::mutex> lock(error_mutex_);
@@ -219,7 +218,7 @@ void Session::close() {
 void Session::abort() noexcept {
   // Tensors already recorded are still written (a post-mortem trace holds everything the run
   // handed over); only the completeness mark is withheld.
-  stop_writer(false);
+  stop_writer();
   stager_.reset();  // synchronizes the side stream before freeing pinned memory
   writer_.reset();  // closes the file with complete = 0
 }
