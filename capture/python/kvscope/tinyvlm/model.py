@@ -146,6 +146,10 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        # training only: when set, forward keeps its attention probabilities [B, Hq, T, Tk] in last_probs
+        # (train.py's grounding loss); the computation is the same either way
+        self.keep_probs = False
+        self.last_probs: Optional[torch.Tensor] = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 past_kv: Optional[Tuple[torch.Tensor, torch.Tensor]] = None):
@@ -168,6 +172,7 @@ class LlamaAttention(nn.Module):
         k_pos = torch.arange(tk, device=x.device)[None, :]
         scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1)
+        self.last_probs = probs if self.keep_probs else None
         out = torch.matmul(probs, vv).transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
         return self.o_proj(out), (k, v)
 

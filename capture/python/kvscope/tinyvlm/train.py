@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .dataset import FAMILIES, NUM_PATCHES, Sample, train_sample
+from .dataset import FAMILIES, NOUNS, NUM_PATCHES, NUMBERS, Sample, train_sample
 from .evaluate import evaluate
 from .model import TinyVlm, TinyVlmConfig, VisionConfig, load_model, save_model
 from .scene import COLORS, SHAPES, make_scene
@@ -49,9 +49,10 @@ def init_weights(model: TinyVlm, seed: int) -> None:
             layer.mlp.down_proj.weight.mul_(1.0 / math.sqrt(2 * len(model.model.layers)))
 
 
-def patch_targets(vocab: Vocab, image_seed: int):
-    """Auxiliary targets of the 64 vision positions of an image: (color word, shape word) ids of the object
-    in the patch's cell, <pad> for background patches. Each [64] long."""
+def patch_targets(vocab: Vocab, image_seed: int, position: bool = False) -> List[torch.Tensor]:
+    """Auxiliary targets of the 64 vision positions of an image, each [64] long: the colour word and the
+    shape word of the object in the patch's grid cell (<pad> for background patches) and, with
+    `position`, the row word and the column word of the patch's cell (one..four, background included)."""
     color = torch.full((NUM_PATCHES,), PAD, dtype=torch.long)
     shape = torch.full((NUM_PATCHES,), PAD, dtype=torch.long)
     for o in make_scene(image_seed).objects:
@@ -59,18 +60,71 @@ def patch_targets(vocab: Vocab, image_seed: int):
             for pc in (2 * o.col, 2 * o.col + 1):
                 color[pr * 8 + pc] = vocab.ids[COLORS[o.color]]
                 shape[pr * 8 + pc] = vocab.ids[SHAPES[o.shape]]
-    return color, shape
+    if not position:
+        return [color, shape]
+    cell = torch.arange(NUM_PATCHES) // 16, (torch.arange(NUM_PATCHES) % 8) // 2
+    number_ids = torch.tensor([vocab.ids[w] for w in NUMBERS[:4]])
+    return [color, shape, number_ids[cell[0]], number_ids[cell[1]]]
 
 
-def collate(samples: List[Sample], vocab: Optional[Vocab] = None):
+def binding_targets(vocab: Vocab, prompt_ids: List[int]) -> torch.Tensor:
+    """Auxiliary target of the prompt text: at a colour word that ends "NOUN is COLOUR" (the text-only
+    statements), the noun it describes; IGNORE elsewhere. [len(prompt_ids)]."""
+    colors = {vocab.ids[c] for c in COLORS}
+    nouns = {vocab.ids[n] for n in NOUNS}
+    is_id = vocab.ids["is"]
+    tgt = torch.full((len(prompt_ids),), IGNORE, dtype=torch.long)
+    for i in range(2, len(prompt_ids)):
+        if prompt_ids[i] in colors and prompt_ids[i - 1] == is_id and prompt_ids[i - 2] in nouns:
+            tgt[i] = prompt_ids[i - 2]
+    return tgt
+
+
+def grounding_keys(sample: Sample) -> List[int]:
+    """Prompt positions of the vision patches showing the object a question is about ("what color is the
+    SHAPE ?", "where is the COLOR SHAPE ?", "which image has the COLOR SHAPE ?": the 4 patches of its grid
+    cell, in the image that has it); [] for questions about no single object (counting, "more shapes",
+    text-only)."""
+    w = sample.question.split()
+    if w[:4] == ["what", "color", "is", "the"] and sample.family == "fine-grained":
+        want = lambda o: SHAPES[o.shape] == w[4]
+    elif w[:3] == ["where", "is", "the"] or w[:4] == ["which", "image", "has", "the"]:
+        color, shape = w[-3], w[-2]
+        want = lambda o: COLORS[o.color] == color and SHAPES[o.shape] == shape
+    else:
+        return []
+    for i, seed in enumerate(sample.image_seeds):
+        for o in make_scene(seed).objects:
+            if want(o):
+                start = 2 + i * (NUM_PATCHES + 2)
+                return [start + (2 * o.row + dr) * 8 + 2 * o.col + dc for dr in (0, 1) for dc in (0, 1)]
+    raise ValueError(f"no object answers {sample.question!r} in images {sample.image_seeds}")
+
+
+def grounding_loss(probs: torch.Tensor, samples: List[Sample]) -> Optional[torch.Tensor]:
+    """Mean over the answer positions of grounded questions of -log(attention mass on the object's patches),
+    from one head's probabilities probs [B, T, Tk]; None when no sample of the batch is grounded."""
+    terms = []
+    for b, s in enumerate(samples):
+        keys = grounding_keys(s)
+        if keys:
+            p = len(s.prompt_ids)
+            mass = probs[b, p - 1:p - 1 + len(s.answer_ids) - 1][:, keys].sum(-1)
+            terms.append(-torch.log(mass + 1e-6))
+    return torch.cat(terms).mean() if terms else None
+
+
+def collate(samples: List[Sample], vocab: Optional[Vocab] = None, position: bool = False):
     """Right-padded batch: input ids [B, L], targets [B, L] (IGNORE outside the answer), images [N, ...],
-    and with `vocab` the auxiliary vision targets (color, shape) [B, L] (IGNORE outside vision positions)."""
+    and with `vocab` the auxiliary targets: a list of vision target groups (colour, shape[, row, column]),
+    each [B, L] (IGNORE outside vision positions), and the text binding targets [B, L]."""
     seqs = [s.prompt_ids + s.answer_ids[:-1] for s in samples]
     length = max(len(x) for x in seqs)
     ids = torch.full((len(samples), length), PAD, dtype=torch.long)
     tgt = torch.full((len(samples), length), IGNORE, dtype=torch.long)
-    aux_color = torch.full((len(samples), length), IGNORE, dtype=torch.long)
-    aux_shape = torch.full((len(samples), length), IGNORE, dtype=torch.long)
+    groups = 4 if position else 2
+    vision_aux = [torch.full((len(samples), length), IGNORE, dtype=torch.long) for _ in range(groups)]
+    binding = torch.full((len(samples), length), IGNORE, dtype=torch.long)
     for b, (s, x) in enumerate(zip(samples, seqs)):
         ids[b, :len(x)] = torch.tensor(x)
         p = len(s.prompt_ids)
@@ -78,12 +132,13 @@ def collate(samples: List[Sample], vocab: Optional[Vocab] = None):
         if vocab is not None:
             for i, seed in enumerate(s.image_seeds):
                 start = 2 + i * (NUM_PATCHES + 2)
-                aux_color[b, start:start + NUM_PATCHES], aux_shape[b, start:start + NUM_PATCHES] = \
-                    patch_targets(vocab, seed)
+                for group, t in zip(vision_aux, patch_targets(vocab, seed, position)):
+                    group[b, start:start + NUM_PATCHES] = t
+            binding[b, :p] = binding_targets(vocab, s.prompt_ids)
     images = torch.from_numpy(np.concatenate([s.images for s in samples]))
     if vocab is None:
         return ids, tgt, images
-    return ids, tgt, images, aux_color, aux_shape
+    return ids, tgt, images, vision_aux, binding
 
 
 class BatchStream:
@@ -136,7 +191,16 @@ def train(args) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=args.wd)
     focus = FAMILIES.index(args.focus_family) if args.focus_family else None
     stream = BatchStream(vocab, args.seed, args.batch, focus_family=focus)
-    t0 = time.time()
+    ground = None
+    if args.aux_ground > 0:
+        if not 0 <= args.ground_layer < len(model.model.layers) or \
+                not 0 <= args.ground_head < model.config.num_attention_heads:
+            raise ValueError(f"--ground-layer {args.ground_layer} / --ground-head {args.ground_head} outside "
+                             f"the model's {len(model.model.layers)} layers x "
+                             f"{model.config.num_attention_heads} heads")
+        ground = model.model.layers[args.ground_layer].self_attn
+        ground.keep_probs = True
+    t0, cpu0 = time.time(), time.process_time()
     losses: List[float] = []
     log = []
     step = 0
@@ -147,18 +211,26 @@ def train(args) -> dict:
         cur_lr = lr_at(step, args.steps, args.lr, args.warmup)
         for g in opt.param_groups:
             g["lr"] = cur_lr
-        ids, tgt, images, aux_color, aux_shape = collate(stream.next(), vocab)
+        batch = stream.next()
+        ids, tgt, images, vision_aux, binding = collate(batch, vocab, args.aux_position)
         model.train()
         logits = model(ids, images)
         flat = logits.view(-1, logits.shape[-1])
         loss = F.cross_entropy(flat, tgt.view(-1), ignore_index=IGNORE)
+        total = loss
         if args.aux_weight > 0:
-            # auxiliary dense supervision: each vision position names its cell's colour and shape
-            aux = 0.5 * (F.cross_entropy(flat, aux_color.view(-1), ignore_index=IGNORE) +
-                         F.cross_entropy(flat, aux_shape.view(-1), ignore_index=IGNORE))
-            total = loss + args.aux_weight * aux
-        else:
-            total = loss
+            # auxiliary dense supervision: each vision position names its cell's colour and shape (and row
+            # and column with --aux-position)
+            aux = sum(F.cross_entropy(flat, g.view(-1), ignore_index=IGNORE) for g in vision_aux)
+            total = total + args.aux_weight * aux / len(vision_aux)
+        if args.aux_binding > 0 and bool((binding != IGNORE).any()):
+            # each stated colour names the noun it belongs to (text-only statements)
+            total = total + args.aux_binding * F.cross_entropy(flat, binding.view(-1), ignore_index=IGNORE)
+        if ground is not None:
+            # one head learns to look at the object the question names (training signal only)
+            g = grounding_loss(ground.last_probs[:, args.ground_head], batch)
+            if g is not None:
+                total = total + args.aux_ground * g
         opt.zero_grad(set_to_none=True)
         total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -174,19 +246,26 @@ def train(args) -> dict:
             print(f"  held-out (100): {acc['overall']:.3f} " +
                   " ".join(f"{f}={acc[f]:.2f}" for f in FAMILIES), flush=True)
     train_seconds = time.time() - t0
+    # CPU seconds of this process (all torch threads): with --threads 1 on a shared machine, the time a
+    # quiet core would take, which wall time (inflated by other jobs) does not show
+    train_cpu_seconds = time.process_time() - cpu0
     model.eval()
-    result = {"steps": len(losses), "train_seconds": round(train_seconds, 1), "first_loss": losses[0],
+    result = {"steps": len(losses), "train_seconds": round(train_seconds, 1),
+              "train_cpu_seconds": round(train_cpu_seconds, 1), "first_loss": losses[0],
               "last_loss": sum(losses[-10:]) / len(losses[-10:]), "log": log}
     if args.eval_samples:
         acc = evaluate(model, vocab, args.eval_samples)
         result["heldout"] = acc
         print(f"held-out exact match on {args.eval_samples}: {acc['overall']:.4f} (" +
               ", ".join(f"{f} {acc[f]:.4f} of {acc['n_' + f]}" for f in FAMILIES) + ")", flush=True)
+    if ground is not None:
+        ground.keep_probs, ground.last_probs = False, None
     save_model(model, vocab, args.out)
     result["args"] = {k: v for k, v in vars(args).items()}
     with open(os.path.join(args.out, "train_log.json"), "w") as f:
         json.dump(result, f, indent=1)
-    print(f"wrote {args.out} (training {train_seconds:.0f}s, total {time.time() - t0:.0f}s)", flush=True)
+    print(f"wrote {args.out} (training {train_seconds:.0f}s wall, {train_cpu_seconds:.0f} CPU-s; "
+          f"total {time.time() - t0:.0f}s)", flush=True)
     return result
 
 
@@ -207,6 +286,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
     ap.add_argument("--aux-weight", type=float, default=0.0, help="weight of the auxiliary loss naming "
                     "each vision patch's colour and shape (default 0 = off)")
+    ap.add_argument("--aux-position", action="store_true", help="the auxiliary vision loss also names "
+                    "each patch's row and column words (one..four)")
+    ap.add_argument("--aux-binding", type=float, default=0.0, help="weight of the auxiliary loss naming, at "
+                    "each colour word of a text statement 'the NOUN is COLOUR', its noun (default 0 = off)")
+    ap.add_argument("--aux-ground", type=float, default=0.0, help="weight of the auxiliary grounding loss: "
+                    "at the answer positions of a question about one object, head --ground-head of layer "
+                    "--ground-layer puts its attention on that object's 4 patches (default 0 = off)")
+    ap.add_argument("--ground-layer", type=int, default=2, help="layer of the grounding head (default 2)")
+    ap.add_argument("--ground-head", type=int, default=0, help="query head of the grounding loss (default 0)")
     ap.add_argument("--init-from", metavar="DIR", default=None, help="start from the weights of model DIR "
                     "instead of a random init (sizes come from its config; the data stream still starts at "
                     "sample 0 of train(seed), so use another --seed for a second stage)")
@@ -234,7 +322,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     try:
         train(args)
-    except OSError as e:
+    except (OSError, ValueError) as e:
         print(f"train: {e}", file=sys.stderr)
         return 2
     return 0
