@@ -358,7 +358,7 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
     // Statistics first (serially, each kernel parallel inside), then the points of this layer
     // in parallel: each point only reads the layer's caches and writes its own result. Those of
     // the trace tensors come before the float32 copy, which release_prefill() builds while
-    // dropping them: the layer is never held in both dtypes (the sweep's memory peak, issue 4).
+    // dropping them: the layer is never held whole in both dtypes (issue 4, docs/perf.md).
     const PolicySpec oracle = oracle_policy(options.oracle, ctx);
     for (const auto& pt : points) layer.prepare_prefill_statistics(pt.policy);
     if (options.oracle.enabled) layer.prepare_prefill_statistics(oracle);
