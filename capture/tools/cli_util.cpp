@@ -4,6 +4,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#if defined(__GLIBC__)
+#include <malloc.h>  // mallopt
+#endif
 
 #include "kvscope/cli/progress.hpp"
 #include "kvscope/kernels/blas_runtime.hpp"
@@ -80,5 +83,13 @@ std::string format_seconds(double s) {
 namespace kvscope::cli {
 
 void use_fast_blas_core(char** argv) { kernels::use_fast_blas_runtime(argv); }
+
+void release_large_blocks_promptly() {
+#if defined(__GLIBC__)
+  constexpr int kLargeBlock = 4 << 20;
+  mallopt(M_MMAP_THRESHOLD, kLargeBlock);
+  mallopt(M_TRIM_THRESHOLD, kLargeBlock);
+#endif
+}
 
 }  // namespace kvscope::cli

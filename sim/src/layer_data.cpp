@@ -71,8 +71,17 @@ void LayerData::require_prefill(const char* what) const {
 }
 
 void LayerData::release_prefill() {
+  if (prefill_released_) return;
+  // The float32 copy cannot be built after this, so it is built here, one tensor at a time and
+  // each trace tensor dropped as soon as nothing reads it any more: the queries first (only the
+  // statistics read them), then K once converted, then V. The float16 layer and the float32
+  // copy are thus never held whole at the same time (docs/perf.md, issue 4).
+  prefill_.q = trace::Tensor{};
+  if (kall_.empty()) fill_all(prefill_.k, decode_.k, kall_);
+  prefill_.k = trace::Tensor{};
+  if (vall_.empty()) fill_all(prefill_.v, decode_.v, vall_);
+  prefill_.v = trace::Tensor{};
   prefill_released_ = true;
-  prefill_ = trace::LayerTensors{};
 }
 
 const LayerData::MergedHeads& LayerData::merged_heads(float threshold) {
@@ -257,26 +266,27 @@ const kernels::FullAttention& LayerData::full_attention(bool proportional_attent
   return full_;
 }
 
+void LayerData::fill_all(const trace::Tensor& prefill, const trace::Tensor& decode, std::vector<float>& out) const {
+  // Converted straight from the trace's dtype into the [Hkv, T + S, D] layout, head by head
+  // straight into place: no whole-layer float32 temporary.
+  const int H = ctx_.geometry.num_kv_heads, T = ctx_.T, S = ctx_.S, D = ctx_.geometry.head_dim;
+  const std::size_t N = static_cast<std::size_t>(T) + static_cast<std::size_t>(S);
+  const std::size_t TD = static_cast<std::size_t>(T) * D, SD = static_cast<std::size_t>(S) * D;
+  out.resize(static_cast<std::size_t>(H) * N * static_cast<std::size_t>(D));
+  for (int h = 0; h < H; ++h) {
+    float* o = &out[static_cast<std::size_t>(h) * N * D];
+    convert(prefill, static_cast<std::size_t>(h) * TD, TD, o);
+    convert(decode, static_cast<std::size_t>(h) * SD, SD, o + TD);
+  }
+}
+
 const std::vector<float>& LayerData::k_all() {
   if (kall_.empty()) {
     require_prefill("the float32 K/V copy");
-    // Converted straight from the trace's dtype into the [Hkv, T + S, D] layout: one float32 copy
-    // of the layer's K and V, shared by the prefill-mode, decode-mode and full-attention code.
-    const int H = ctx_.geometry.num_kv_heads, T = ctx_.T, S = ctx_.S, D = ctx_.geometry.head_dim;
-    const std::size_t N = static_cast<std::size_t>(T) + static_cast<std::size_t>(S);
-    const std::size_t TD = static_cast<std::size_t>(T) * D, SD = static_cast<std::size_t>(S) * D;
-    kall_.resize(static_cast<std::size_t>(H) * N * static_cast<std::size_t>(D));
-    vall_.resize(kall_.size());
-    // Head by head straight into place: no whole-layer float32 temporary.
-    auto fill = [&](const trace::Tensor& prefill, const trace::Tensor& decode, std::vector<float>& out) {
-      for (int h = 0; h < H; ++h) {
-        float* o = &out[static_cast<std::size_t>(h) * N * D];
-        convert(prefill, static_cast<std::size_t>(h) * TD, TD, o);
-        convert(decode, static_cast<std::size_t>(h) * SD, SD, o + TD);
-      }
-    };
-    fill(prefill_.k, decode_.k, kall_);
-    fill(prefill_.v, decode_.v, vall_);
+    // One float32 copy of the layer's K and V, shared by the prefill-mode, decode-mode and
+    // full-attention code. (release_prefill() builds it without holding both dtypes whole.)
+    fill_all(prefill_.k, decode_.k, kall_);
+    fill_all(prefill_.v, decode_.v, vall_);
   }
   return kall_;
 }
@@ -376,10 +386,7 @@ const std::vector<float>& LayerData::key_norm_all() {
   return knorm_all_;
 }
 
-void LayerData::prepare(const PolicySpec& p) {
-  k_all();
-  if (!have_steps_) compute_full_steps();
-  if (p.mode == PolicyMode::kDecode && p.scorer == ScorerKind::kKeyNorm) key_norm_all();
+void LayerData::prepare_prefill_statistics(const PolicySpec& p) {
   switch (p.scorer) {
     case ScorerKind::kH2O: h2o(); break;
     case ScorerKind::kSnapKV: snapkv(p.snapkv); break;
@@ -392,12 +399,21 @@ void LayerData::prepare(const PolicySpec& p) {
       break;
     default: break;
   }
-  if (p.allocator == AllocatorKind::kUniCache) {
-    modality_similarity();
-    cross_given();
-  }
+  if (p.allocator == AllocatorKind::kUniCache) cross_given();
   if (p.compress_tokens && p.head_merge && ctx_.geometry.num_kv_heads > 1) merged_heads(p.head_merge_threshold);
   if (p.scorer == ScorerKind::kUniCache) cross_given();  // alignment protection reads it
+}
+
+void LayerData::prepare_float_statistics(const PolicySpec& p) {
+  k_all();
+  if (!have_steps_) compute_full_steps();
+  if (p.mode == PolicyMode::kDecode && p.scorer == ScorerKind::kKeyNorm) key_norm_all();
+  if (p.allocator == AllocatorKind::kUniCache) modality_similarity();
+}
+
+void LayerData::prepare(const PolicySpec& p) {
+  prepare_prefill_statistics(p);
+  prepare_float_statistics(p);
 }
 
 const PerModality& LayerData::modality_similarity() {

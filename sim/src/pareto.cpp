@@ -49,12 +49,23 @@ std::vector<bool> pareto_front(const std::vector<ParetoPoint>& points) {
   return front;
 }
 
+ParetoPoint pareto_point(const PointResult& r) { return {r.bytes_ratio(), r.total.quality.output_error}; }
+
 void mark_pareto(std::vector<PointResult>& points) {
+  mark_pareto(points, [](const PointResult&) { return true; });
+}
+
+void mark_pareto(std::vector<PointResult>& points, const std::function<bool(const PointResult&)>& candidate) {
   std::vector<ParetoPoint> p;
-  p.reserve(points.size());
-  for (const PointResult& r : points) p.push_back({r.bytes_ratio(), r.total.quality.output_error});
+  std::vector<std::size_t> index;  // points[index[i]] is candidate i
+  for (std::size_t i = 0; i < points.size(); ++i) {
+    if (!candidate(points[i])) continue;
+    p.push_back(pareto_point(points[i]));
+    index.push_back(i);
+  }
   const std::vector<bool> front = pareto_front(p);
-  for (std::size_t i = 0; i < points.size(); ++i) points[i].pareto = front[i];
+  for (auto& r : points) r.pareto = false;
+  for (std::size_t i = 0; i < index.size(); ++i) points[index[i]].pareto = front[i];
 }
 
 }  // namespace kvscope::sim

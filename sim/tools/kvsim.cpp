@@ -68,6 +68,7 @@ int cmd_info(const std::vector<std::string>& args) {
 
 int main(int argc, char** argv) {
   kvscope::cli::use_fast_blas_core(argv);
+  kvscope::cli::release_large_blocks_promptly();
   if (argc < 2) {
     print_usage(std::cerr);
     return kExitError;

@@ -189,18 +189,7 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
     SweepOutput out = run_sweep(reader, points, so);
     bar.finish();
     // The Pareto front is over the policies; oracle rows are a bound, not a policy.
-    {
-      std::vector<PointResult> real;
-      std::vector<std::size_t> idx;
-      for (std::size_t i = 0; i < out.points.size(); ++i) {
-        if (out.points[i].policy.rfind("oracle-", 0) != 0) {
-          real.push_back(out.points[i]);
-          idx.push_back(i);
-        }
-      }
-      mark_pareto(real);
-      for (std::size_t i = 0; i < idx.size(); ++i) out.points[idx[i]].pareto = real[i].pareto;
-    }
+    mark_pareto(out.points, [](const PointResult& pt) { return pt.policy.rfind("oracle-", 0) != 0; });
     for (const auto& w : out.warnings) std::cerr << name << ": warning: " << w << "\n";
     std::cout << "trace " << reader.path() << ": " << summary.header.geometry.model_name
               << (summary.header.synthetic ? " (SYNTHETIC)" : "") << ", " << summary.num_tokens << " tokens ("

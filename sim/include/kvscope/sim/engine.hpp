@@ -64,6 +64,12 @@ class LayerData {
   // Computes every statistic `policy` reads, so that several policies can then run on this
   // layer concurrently (the lazy caches are not thread-safe to fill, only to read).
   void prepare(const PolicySpec& policy);
+  // prepare() in two halves, for a caller that releases the trace tensors in between: what
+  // `policy` reads from the trace's prefill tensors (attention scores, key norms, redundancy,
+  // cross-modal shares, merged heads), then what it reads from the float32 copy (full-cache
+  // attention of the decode steps, decode-mode key norms, modality similarity).
+  void prepare_prefill_statistics(const PolicySpec& policy);
+  void prepare_float_statistics(const PolicySpec& policy);
   // Full-cache attention of the evaluation (decode) queries, computed once per layer and
   // shared by every policy point: probabilities [Hq, S, T], outputs [Hq, S, D], entropy, mass.
   const kernels::FullAttention& full_attention(bool proportional_attention);
@@ -99,9 +105,11 @@ class LayerData {
   };
   const MergedHeads& merged_heads(float threshold);
 
-  // Drops the trace's prefill tensors once every statistic the points need is computed
-  // (prepare()): afterwards only the float32 copy (k_all / v_all) and the cached statistics are
-  // held. A statistic first asked for after this throws std::logic_error.
+  // Drops the trace's prefill tensors once every statistic the points need from them is
+  // computed (prepare() or prepare_prefill_statistics()): afterwards only the float32 copy
+  // (k_all / v_all, built here if it was not yet, dropping each trace tensor once converted) and
+  // the cached statistics are held. A prefill statistic first asked for after this throws
+  // std::logic_error.
   void release_prefill();
 
  private:
@@ -127,6 +135,8 @@ class LayerData {
   bool prefill_released_ = false;
   std::map<float, MergedHeads> merged_;
   void require_prefill(const char* what) const;
+  // Trace tensors [Hkv, T, D] and [Hkv, S, D] -> float32 [Hkv, T + S, D] (k_all's layout).
+  void fill_all(const trace::Tensor& prefill, const trace::Tensor& decode, std::vector<float>& out) const;
 };
 
 // Bytes of one kv head's cache of K slots under `policy`'s quantizer (K and V codes, scales, zero

@@ -2,6 +2,7 @@
 // both to be minimised.
 #pragma once
 
+#include <functional>
 #include <vector>
 
 #include "kvscope/sim/results.hpp"
@@ -22,7 +23,13 @@ bool dominates(const ParetoPoint& a, const ParetoPoint& b);
 // the front and never dominates another. The result does not depend on the input order.
 std::vector<bool> pareto_front(const std::vector<ParetoPoint>& points);
 
-// Sets PointResult::pareto for every point from (bytes_ratio(), total.quality.output_error).
+// The candidate of a point: (bytes_ratio(), total.quality.output_error).
+ParetoPoint pareto_point(const PointResult& point);
+
+// Sets PointResult::pareto for every point from pareto_point().
 void mark_pareto(std::vector<PointResult>& points);
+// The same with the front taken over the points for which candidate(point) is true (the others
+// are never on it), in place: a sweep's results are large, so they are not copied to a subset.
+void mark_pareto(std::vector<PointResult>& points, const std::function<bool(const PointResult&)>& candidate);
 
 }  // namespace kvscope::sim
