@@ -443,6 +443,8 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
   {
     std::vector<float> buf(static_cast<std::size_t>(kRowChunk) * d);
     std::vector<float> mn(static_cast<std::size_t>(kRowChunk) * ng), mx(mn.size()), s(mn.size()), z(mn.size());
+    std::vector<float> div(mn.size()), rcp(mn.size());
+    std::vector<std::uint8_t> usable(mn.size());
     const float* xr[kRowChunk];
     std::vector<std::int32_t> q(static_cast<std::size_t>(d));
     std::vector<std::uint8_t> fields(q.size() + 3);
@@ -459,11 +461,18 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
           min_max(xr[r] + i0, std::min(d - i0, G), &mn[k], &mx[k]);
         }
       }
+#if defined(KVSCOPE_QUANT_AVX512)
+      quant_avx512::group_params(mn.data(), mx.data(), nr * ng, kBits, p.spec.symmetric, s.data(), z.data(),
+                                 div.data(), rcp.data(), usable.data());
+      std::copy(s.begin(), s.begin() + nr * ng, o.scales + r0 * ng);
+      if (o.zeros != nullptr) std::copy(z.begin(), z.begin() + nr * ng, o.zeros + r0 * ng);
+#else
       for (int k = 0; k < nr * ng; ++k) {
         quant_math::group_params(mn[k], mx[k], kBits, p.spec.symmetric, &s[k], &z[k]);
         o.scales[r0 * ng + k] = s[k];
         if (o.zeros != nullptr) o.zeros[r0 * ng + k] = z[k];
       }
+#endif
       for (int r = 0; r < nr; ++r) {
         const std::int64_t row = r0 + r, off = offset(r);
         for (int g = 0; g < ng; ++g) {
@@ -471,8 +480,8 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
           const float divisor = quant_math::encode_divisor(s[k]);
 #if defined(KVSCOPE_QUANT_AVX512)
           if (vector_rows) {
-            quant_avx512::encode_span<kBits, kFake>(xr[r], i0, n, quant_avx512::SpanGroup(s[k], z[k], divisor),
-                                                    reciprocal_usable(divisor), p.lo, p.hi, kNearHalf,
+            quant_avx512::encode_span<kBits, kFake>(xr[r], i0, n, quant_avx512::SpanGroup(s[k], z[k], div[k], rcp[k]),
+                                                    usable[k] != 0, p.lo, p.hi, kNearHalf,
                                                     codes_row<kFake>(p, o, row), out_row<kFake>(o, off));
             continue;
           }
@@ -533,7 +542,7 @@ void quantize_whole(const Plan& p, const void* x, const QuantOut& o) {
       const float* xr = row_as_float<kT>(x, off, d, buf.data());
 #if defined(KVSCOPE_QUANT_AVX512)
       const float divisor = quant_math::encode_divisor(s);
-      quant_avx512::encode_span<kBits, kFake>(xr, 0, d, quant_avx512::SpanGroup(s, z, divisor),
+      quant_avx512::encode_span<kBits, kFake>(xr, 0, d, quant_avx512::SpanGroup(s, z, divisor, 1.0f / divisor),
                                               reciprocal_usable(divisor), p.lo, p.hi, kNearHalf,
                                               codes_row<kFake>(p, o, row), out_row<kFake>(o, off));
       continue;
@@ -556,6 +565,7 @@ void quantize_per_channel(const Plan& p, const void* x, const QuantOut& o) {
   {
     const std::size_t n = static_cast<std::size_t>(d);
     std::vector<float> buf(n), mn(n), mx(n), s(n), z(n), div(n), rcp(n);
+    std::vector<std::uint8_t> usable(n);
     std::vector<std::int32_t> q(n);
     std::vector<std::uint8_t> fields(n + 3);
     residual_rows<kFake>(p, x, o);
@@ -573,12 +583,18 @@ void quantize_per_channel(const Plan& p, const void* x, const QuantOut& o) {
         }
       }
       bool fast = true;
+#if defined(KVSCOPE_QUANT_AVX512)
+      quant_avx512::group_params(mn.data(), mx.data(), d, kBits, p.spec.symmetric, s.data(), z.data(), div.data(),
+                                 rcp.data(), usable.data());
+      for (int i = 0; i < d; ++i) fast = fast && usable[i] != 0;
+#else
       for (int i = 0; i < d; ++i) {
         quant_math::group_params(mn[i], mx[i], kBits, p.spec.symmetric, &s[i], &z[i]);
         div[i] = quant_math::encode_divisor(s[i]);
         fast = fast && reciprocal_usable(div[i]);
         rcp[i] = 1.0f / div[i];
       }
+#endif
       std::copy(s.begin(), s.end(), o.scales + hg * d);
       if (o.zeros != nullptr) std::copy(z.begin(), z.end(), o.zeros + hg * d);
       for (std::int64_t t = t0; t < t1; ++t) {

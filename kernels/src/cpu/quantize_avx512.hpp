@@ -7,7 +7,7 @@
 // group layouts that do not start every group on a 16-element boundary.
 #pragma once
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define KVSCOPE_QUANT_AVX512 1
 
 // GCC 12's AVX-512 intrinsics pass an uninitialised pass-through operand
@@ -58,7 +58,8 @@ inline __m512i fast_code(__m512 c, __mmask16 live, float near_half, __mmask16* r
       _mm512_castps_si512(c), _mm512_set1_epi32(static_cast<int>(0x80000000u)), _mm512_set1_epi32(0x3f000000),
       0xea));  // (a & b) | c
   const __m512 u = _mm512_add_ps(c, half);
-  const __m512 dist = _mm512_abs_ps(_mm512_sub_ps(u, _mm512_roundscale_ps(u, _MM_FROUND_TO_NEAREST_INT)));
+  // vreduceps: u - rint(u), exact.
+  const __m512 dist = _mm512_abs_ps(_mm512_reduce_ps(u, _MM_FROUND_TO_NEAREST_INT));
   *redo |= _mm512_mask_cmp_ps_mask(live, dist, _mm512_set1_ps(near_half), _CMP_LT_OQ);
   return _mm512_cvttps_epi32(u);
 }
@@ -112,11 +113,11 @@ inline __m512 decode(__m512i code, __m512 scale, __m512 zero) {
 // Per-lane group parameters of one step: one group for the whole span, or one per
 // element (per-channel granularity: [d] arrays indexed by the element).
 struct SpanGroup {
-  SpanGroup(float s, float z, float divisor)
+  SpanGroup(float s, float z, float divisor, float reciprocal)
       : scale(_mm512_set1_ps(s)),
         zero(_mm512_set1_ps(z)),
         div(_mm512_set1_ps(divisor)),
-        rcp(_mm512_set1_ps(1.0f / divisor)) {}
+        rcp(_mm512_set1_ps(reciprocal)) {}
   __m512 scale, zero, div, rcp;
   __m512 load_scale(__mmask16, int) const { return scale; }
   __m512 load_zero(__mmask16, int) const { return zero; }
@@ -141,7 +142,7 @@ struct EachGroup {
 // lane of the span, the whole span is recomputed with the division, as the portable
 // loop does. The flag is tested once per span, not in the step loop.
 template <int kBits, bool kFake, typename Group>
-void encode_span(const float* x, int i0, int n, const Group& g, bool fast, int lo, int hi, float near,
+[[gnu::always_inline]] inline void encode_span(const float* x, int i0, int n, const Group& g, bool fast, int lo, int hi, float near,
                  std::uint8_t* codes_row, float* out_row) {
   const __m512 vlo = _mm512_set1_ps(static_cast<float>(lo)), vhi = _mm512_set1_ps(static_cast<float>(hi));
   const auto step = [&](int i, int m, __m512i code) {
@@ -171,18 +172,53 @@ void encode_span(const float* x, int i0, int n, const Group& g, bool fast, int l
   }
 }
 
-// fp16 -> float of n elements (vcvtph2ps is exact except that it quiets a signalling
-// NaN, so a step holding a NaN is left to the caller's bit-exact scalar conversion:
-// returns the number of elements converted, a multiple of 16).
+// quant_math::group_params, encode_divisor, 1 / divisor and reciprocal_usable of n
+// groups, 16 at a time (lane by lane the same operations: IEEE division, the same
+// comparisons and selects). usable[k] = 1 when divisor k passes reciprocal_usable.
+// Per channel a block has D groups and per token 16 rows x (D / G) groups: done one
+// by one, their divisions were a large part of the time.
+inline void group_params(const float* mn, const float* mx, int n, int bits, bool symmetric, float* scale,
+                         float* zero, float* divisor, float* rcp, std::uint8_t* usable) {
+  const int levels = symmetric ? (1 << (bits - 1)) - 1 : (1 << bits) - 1;  // quant_math::code_max
+  const __m512 vlevels = _mm512_set1_ps(static_cast<float>(levels)), one = _mm512_set1_ps(1.0f);
+  for (int i = 0; i < n; i += kStep) {
+    const __mmask16 live = lanes(n - i);
+    const __m512 lo = _mm512_maskz_loadu_ps(live, mn + i), hi = _mm512_maskz_loadu_ps(live, mx + i);
+    __m512 s, z;
+    if (symmetric) {
+      // max_f(-mn, mx) = mx > -mn ? mx : -mn; a constant group keeps its magnitude.
+      const __m512 amax = _mm512_max_ps(hi, _mm512_xor_ps(lo, _mm512_set1_ps(-0.0f)));
+      const __mmask16 constant = _mm512_cmp_ps_mask(lo, hi, _CMP_EQ_OQ);
+      s = _mm512_mask_blend_ps(constant, _mm512_div_ps(amax, vlevels), amax);
+      z = _mm512_setzero_ps();
+    } else {
+      s = _mm512_div_ps(_mm512_sub_ps(hi, lo), vlevels);
+      z = lo;
+    }
+    const __m512 d = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(s, _mm512_setzero_ps(), _CMP_GT_OQ), one, s);
+    const __mmask16 ok = _mm512_cmp_ps_mask(d, _mm512_set1_ps(0x1p-100f), _CMP_GE_OQ) &
+                         _mm512_cmp_ps_mask(d, _mm512_set1_ps(0x1p100f), _CMP_LE_OQ);
+    _mm512_mask_storeu_ps(scale + i, live, s);
+    _mm512_mask_storeu_ps(zero + i, live, z);
+    _mm512_mask_storeu_ps(divisor + i, live, d);
+    _mm512_mask_storeu_ps(rcp + i, live, _mm512_div_ps(one, d));
+    _mm_mask_storeu_epi8(usable + i, live, _mm_maskz_set1_epi8(ok, 1));
+  }
+}
+
+// fp16 -> float of the whole 16-element steps of n elements. vcvtph2ps is exact
+// except that it quiets a signalling NaN, so when any converted value is NaN this
+// returns 0 and the caller converts the row with its bit-exact path instead; else it
+// returns the number of elements converted (a multiple of 16).
 inline int f16_to_float_steps(const std::uint16_t* p, int n, float* dst) {
+  __mmask16 nan = 0;
   int i = 0;
   for (; i + kStep <= n; i += kStep) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i));
-    const __m256i mag = _mm256_and_si256(h, _mm256_set1_epi16(0x7fff));
-    if (_mm256_cmpgt_epi16_mask(mag, _mm256_set1_epi16(0x7c00)) != 0) break;
-    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(h));
+    const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)));
+    nan |= _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    _mm512_storeu_ps(dst + i, f);
   }
-  return i;
+  return nan == 0 ? i : 0;
 }
 
 }  // namespace kvscope::kernels::cpu::quant_avx512
