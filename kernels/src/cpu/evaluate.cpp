@@ -7,6 +7,9 @@
 // every compressed cache. Math: docs/kernels/evaluate.md.
 #include "kvscope/kernels/evaluate.hpp"
 
+// First, so that its guarded <immintrin.h> is the one that takes effect.
+#include "attention_rows.hpp"
+
 #include <cblas.h>
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -207,14 +210,7 @@ Status full_attention(const EvaluateParams& p, const void* q, const void* k, con
         const float m = row_max(zr, T);
         // e_t = exp(z_t - m); Z = sum e; H = log Z - sum e (z - m) / Z.
         double zs = 0.0, es = 0.0;
-#pragma omp simd reduction(+ : zs, es)
-        for (int t = 0; t < T; ++t) {
-          const float x = zr[t] - m;
-          const float e = exp_vec(x);
-          zr[t] = e;
-          zs += e;
-          es += static_cast<double>(e) * x;
-        }
+        rowmath::softmax_numerators(zr, T, m, zr, &zs, &es, nullptr, nullptr);
         const float inv = static_cast<float>(1.0 / zs);
         for (int t = 0; t < T; ++t) zr[t] *= inv;
         full.entropy[row0 + r] = static_cast<float>(std::log(zs) - es / zs);
@@ -288,17 +284,9 @@ Status evaluate_attention(const EvaluateParams& p, const void* q, const std::uin
           const float m = row_max(zr, S);
           cmax[r] = m;
           double zs = 0.0, es = 0.0;
-#pragma omp simd reduction(+ : zs, es)
-          for (int k = 0; k < S; ++k) {
-            const float x = zr[k] - m;
-            const float e = exp_vec(x);
-            er[k] = e;
-            zs += e;
-            es += static_cast<double>(e) * x;
-          }
+          rowmath::softmax_numerators(zr, S, m, er, &zs, &es, c.slot_modality + base, &cmass[r * kNumModalities]);
           csum[r] = zs;
           cent[r] = es;
-          for (int k = 0; k < S; ++k) cmass[r * kNumModalities + c.slot_modality[base + k]] += er[k];
         }
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nr, D, S, 1.0f, s.ec.data(), S,
                     c.v + static_cast<std::size_t>(base) * D, D, 0.0f, s.oc.data(), D);
@@ -308,14 +296,11 @@ Status evaluate_attention(const EvaluateParams& p, const void* q, const std::uin
         const std::size_t row = row0 + r;
         const float* pr = full.probs + row * T;
         // Full probabilities per modality, over surviving tokens, and per slot.
-        double mass[kNumModalities] = {0.0, 0.0, 0.0, 0.0}, surv[kNumModalities] = {0.0, 0.0, 0.0, 0.0};
+        double mass[kNumModalities], surv[kNumModalities];
+        rowmath::modality_sums(pr, modality, map, T, mass, surv);
         float* am = s.slot_mass.data() + static_cast<std::size_t>(r) * S;
         for (int t = 0; t < T; ++t) {
-          mass[modality[t]] += pr[t];
-          if (map[t] >= 0) {
-            surv[modality[t]] += pr[t];
-            am[map[t]] += pr[t];
-          }
+          if (map[t] >= 0) am[map[t]] += pr[t];
         }
         const double total = (mass[0] + mass[1]) + (mass[2] + mass[3]);
         const float Zc = static_cast<float>(csum[r]);
@@ -331,13 +316,8 @@ Status evaluate_attention(const EvaluateParams& p, const void* q, const std::uin
         double kl = 0.0;
         if (out.kl && survived > 0.0 && S > 0) {
           const double log_surv = std::log(survived), log_zc = std::log(csum[r]);
-          const float* zr = s.zc.data() + static_cast<std::size_t>(r) * S;
-          for (int k = 0; k < S; ++k) {
-            if (!(am[k] > 0.0f)) continue;
-            const double log_p = std::log(static_cast<double>(am[k])) - log_surv;
-            const double log_pc = static_cast<double>(zr[k] - cmax[r]) - log_zc;
-            kl += (static_cast<double>(am[k]) / survived) * (log_p - log_pc);  // P(s) (log P(s) - log p~(s))
-          }
+          kl = rowmath::kl_row(am, s.zc.data() + static_cast<std::size_t>(r) * S, S, cmax[r], survived, log_surv,
+                               log_zc);
         }
         const double h_comp = S > 0 ? std::log(csum[r]) - cent[r] / csum[r] : 0.0;
         const double norm = std::sqrt(norm2), diff = std::sqrt(diff2);
