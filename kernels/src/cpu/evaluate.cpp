@@ -1,8 +1,9 @@
 // CPU backend of compressed-cache evaluation (kvscope/kernels/evaluate.hpp).
 // Work item: one kv head x a block of up to kRowBlock query rows (its GQA group's
 // (q head, query) pairs stacked, [rows, D]). Q K^T and P V are single-threaded
-// cblas_sgemm calls on fp32 copies (K and V of a head converted once per thread and
-// head); OpenMP runs the work items in parallel with OpenBLAS kept at one thread.
+// cblas_sgemm calls on fp32 copies (the full cache's K and V converted a chunk of
+// kTokenChunk tokens at a time); OpenMP runs the work items in parallel with OpenBLAS
+// kept at one thread.
 // The full-cache side (full_attention) is computed once per layer and reused for
 // every compressed cache. Math: docs/kernels/evaluate.md.
 #include "kvscope/kernels/evaluate.hpp"
@@ -34,6 +35,10 @@ using rowmath::set_blas_single_threaded;
 using rowmath::to_float;
 
 constexpr int kRowBlock = 64;  // query rows per work item
+// Full-cache tokens per GEMM: a float chunk of K or V (256 KiB at D = 128) stays in
+// L2 from its conversion to the GEMM's packing; a whole head (4 MiB at T = 8192)
+// went through L3, shared by both cores.
+constexpr int kTokenChunk = 512;
 
 // max of x[0, n), n >= 1, with 16 independent lanes, so that it vectorises.
 inline float row_max(const float* x, int n) {
@@ -49,23 +54,19 @@ inline float row_max(const float* x, int n) {
   return m;
 }
 
-// [T, D] slice of head h of a [Hkv, T, D] tensor as float, cached per thread.
-class FloatHead {
+// Elements [offset, offset + n) of a dtype tensor as float: the tensor itself for
+// fp32, else a per-thread converted copy.
+class FloatSpan {
  public:
-  const float* get(const void* x, DType dt, int h, int T, int D) {
-    const std::size_t n = static_cast<std::size_t>(T) * D, base = static_cast<std::size_t>(h) * n;
-    if (dt == DType::kF32) return static_cast<const float*>(x) + base;
-    if (h != cached_) {
-      buf_.resize(n);
-      to_float(x, dt, base, n, buf_.data());
-      cached_ = h;
-    }
+  const float* get(const void* x, DType dt, std::size_t offset, std::size_t n) {
+    if (dt == DType::kF32) return static_cast<const float*>(x) + offset;
+    buf_.resize(n);
+    to_float(x, dt, offset, n, buf_.data());
     return buf_.data();
   }
 
  private:
   std::vector<float> buf_;
-  int cached_ = -1;
 };
 
 // Work items: kv head h, rows [r0, r0 + nr) of its M = G * Nq stacked query rows;
@@ -168,7 +169,7 @@ Status validate_cache(const EvaluateParams& p, const CompressedCache& c, const E
 
 // Thread-local buffers of a full_attention work item.
 struct FullScratch {
-  FloatHead k, v;
+  FloatSpan k, v;
   std::vector<float> q;  // [kRowBlock, D]
 };
 
@@ -203,8 +204,12 @@ Status full_attention(const EvaluateParams& p, const void* q, const void* k, con
       s.q.resize(static_cast<std::size_t>(nr) * D);
       to_float(q, p.dtype, row0 * D, s.q.size(), s.q.data());
       float* z = full.probs + row0 * T;  // logits, then probabilities, in place
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, T, D, scale, s.q.data(), D,
-                  s.k.get(k, p.dtype, h, T, D), D, 0.0f, z, T);
+      const std::size_t head = static_cast<std::size_t>(h) * T * D;
+      for (int t0 = 0; t0 < T; t0 += kTokenChunk) {
+        const int tc = std::min(kTokenChunk, T - t0);
+        const float* kc = s.k.get(k, p.dtype, head + static_cast<std::size_t>(t0) * D, static_cast<std::size_t>(tc) * D);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, tc, D, scale, s.q.data(), D, kc, D, 0.0f, z + t0, T);
+      }
       for (int r = 0; r < nr; ++r) {
         float* zr = z + static_cast<std::size_t>(r) * T;
         const float m = row_max(zr, T);
@@ -222,9 +227,13 @@ Status full_attention(const EvaluateParams& p, const void* q, const void* k, con
           }
         }
       }
-      // o = P V.
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nr, D, T, 1.0f, z, T,
-                  s.v.get(v, p.dtype, h, T, D), D, 0.0f, full.output + row0 * D, D);
+      // o = P V, accumulated over the same token chunks.
+      for (int t0 = 0; t0 < T; t0 += kTokenChunk) {
+        const int tc = std::min(kTokenChunk, T - t0);
+        const float* vc = s.v.get(v, p.dtype, head + static_cast<std::size_t>(t0) * D, static_cast<std::size_t>(tc) * D);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nr, D, tc, 1.0f, z + t0, T, vc, D, t0 == 0 ? 0.0f : 1.0f,
+                    full.output + row0 * D, D);
+      }
     }
   };
   for_each_row_block(p, Body{p, q, k, v, modality, full, T, D, scale});
