@@ -480,7 +480,7 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
           const float divisor = quant_math::encode_divisor(s[k]);
 #if defined(KVSCOPE_QUANT_AVX512)
           if (vector_rows) {
-            quant_avx512::encode_span<kBits, kFake>(xr[r], i0, n, quant_avx512::SpanGroup(s[k], z[k], div[k], rcp[k]),
+            quant_avx512::encode_span<kBits, kFake>(xr[r], i0, n, quant_avx512::SpanGroup(s[k], z[k], div[k], rcp[k], p.spec.symmetric),
                                                     usable[k] != 0, p.lo, p.hi, kNearHalf,
                                                     codes_row<kFake>(p, o, row), out_row<kFake>(o, off));
             continue;
@@ -542,7 +542,7 @@ void quantize_whole(const Plan& p, const void* x, const QuantOut& o) {
       const float* xr = row_as_float<kT>(x, off, d, buf.data());
 #if defined(KVSCOPE_QUANT_AVX512)
       const float divisor = quant_math::encode_divisor(s);
-      quant_avx512::encode_span<kBits, kFake>(xr, 0, d, quant_avx512::SpanGroup(s, z, divisor, 1.0f / divisor),
+      quant_avx512::encode_span<kBits, kFake>(xr, 0, d, quant_avx512::SpanGroup(s, z, divisor, 1.0f / divisor, p.spec.symmetric),
                                               reciprocal_usable(divisor), p.lo, p.hi, kNearHalf,
                                               codes_row<kFake>(p, o, row), out_row<kFake>(o, off));
       continue;

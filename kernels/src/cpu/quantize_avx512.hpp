@@ -113,12 +113,15 @@ inline __m512 decode(__m512i code, __m512 scale, __m512 zero) {
 // Per-lane group parameters of one step: one group for the whole span, or one per
 // element (per-channel granularity: [d] arrays indexed by the element).
 struct SpanGroup {
-  SpanGroup(float s, float z, float divisor, float reciprocal)
+  SpanGroup(float s, float z, float divisor, float reciprocal, bool symmetric)
       : scale(_mm512_set1_ps(s)),
         zero(_mm512_set1_ps(z)),
         div(_mm512_set1_ps(divisor)),
-        rcp(_mm512_set1_ps(reciprocal)) {}
+        rcp(_mm512_set1_ps(reciprocal)),
+        zero_is_0(symmetric) {}
   __m512 scale, zero, div, rcp;
+  bool zero_is_0;  // symmetric: x - 0 is x for every non-NaN x (and NaN encodes as lo either way)
+  __m512 minus_zero(__m512 x, __mmask16, int) const { return zero_is_0 ? x : _mm512_sub_ps(x, zero); }
   __m512 load_scale(__mmask16, int) const { return scale; }
   __m512 load_zero(__mmask16, int) const { return zero; }
   __m512 load_divisor(__mmask16, int) const { return div; }
@@ -132,6 +135,7 @@ struct EachGroup {
     return _mm512_mask_loadu_ps(_mm512_set1_ps(1.0f), m, divisor + i);
   }
   __m512 load_rcp(__mmask16 m, int i) const { return _mm512_maskz_loadu_ps(m, rcp + i); }
+  __m512 minus_zero(__m512 x, __mmask16 m, int i) const { return _mm512_sub_ps(x, load_zero(m, i)); }
 };
 
 // Elements [i0, i0 + n) of row x, i0 % 16 == 0: packed codes into codes_row (the
@@ -147,7 +151,12 @@ template <int kBits, bool kFake, typename Group>
   const __m512 vlo = _mm512_set1_ps(static_cast<float>(lo)), vhi = _mm512_set1_ps(static_cast<float>(hi));
   const auto step = [&](int i, int m, __m512i code) {
     if constexpr (kFake) {
-      _mm512_mask_storeu_ps(out_row + i, lanes(m), decode(code, g.load_scale(lanes(m), i), g.load_zero(lanes(m), i)));
+      const __m512 v = decode(code, g.load_scale(lanes(m), i), g.load_zero(lanes(m), i));
+      if (m == kStep) {
+        _mm512_storeu_ps(out_row + i, v);
+      } else {
+        _mm512_mask_storeu_ps(out_row + i, lanes(m), v);
+      }
     } else {
       store_packed<kBits>(code, m, codes_row + i * kBits / 8);
     }
@@ -158,7 +167,7 @@ template <int kBits, bool kFake, typename Group>
     for (int i = i0; i < end; i += kStep) {
       const int m = end - i < kStep ? end - i : kStep;
       const __mmask16 live = lanes(m);
-      const __m512 diff = _mm512_sub_ps(_mm512_maskz_loadu_ps(live, x + i), g.load_zero(live, i));
+      const __m512 diff = g.minus_zero(_mm512_maskz_loadu_ps(live, x + i), live, i);
       step(i, m, fast_code(clamp(_mm512_mul_ps(diff, g.load_rcp(live, i)), vlo, vhi), live, near, &redo));
     }
     if (redo == 0) return;
@@ -167,7 +176,7 @@ template <int kBits, bool kFake, typename Group>
   for (int i = i0; i < end; i += kStep) {
     const int m = end - i < kStep ? end - i : kStep;
     const __mmask16 live = lanes(m);
-    const __m512 diff = _mm512_sub_ps(_mm512_maskz_loadu_ps(live, x + i), g.load_zero(live, i));
+    const __m512 diff = g.minus_zero(_mm512_maskz_loadu_ps(live, x + i), live, i);
     step(i, m, round_code(clamp(_mm512_div_ps(diff, g.load_divisor(live, i)), vlo, vhi), &frac));
   }
 }
