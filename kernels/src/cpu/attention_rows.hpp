@@ -51,7 +51,8 @@ inline __m512d log8(__m512d x) {
   const __m512d f = _mm512_sub_pd(m, _mm512_set1_pd(1.0));
   const __m512d s = _mm512_div_pd(f, _mm512_add_pd(_mm512_set1_pd(2.0), f)), z = _mm512_mul_pd(s, s);
   __m512d p = _mm512_set1_pd(1.0 / 21);
-  for (const double c : {1.0 / 19, 1.0 / 17, 1.0 / 15, 1.0 / 13, 1.0 / 11, 1.0 / 9, 1.0 / 7, 1.0 / 5, 1.0 / 3}) {
+  for (const double c :
+       {1.0 / 19, 1.0 / 17, 1.0 / 15, 1.0 / 13, 1.0 / 11, 1.0 / 9, 1.0 / 7, 1.0 / 5, 1.0 / 3}) {
     p = _mm512_fmadd_pd(p, z, _mm512_set1_pd(c));
   }
   const __m512d two_s = _mm512_add_pd(s, s);
@@ -122,11 +123,12 @@ inline void modality_sums(const float* p, const std::uint8_t* modality, const st
   for (int j = 0; j < 4; ++j) vm[j] = vs[j] = _mm512_setzero_pd();
   for (; t + 8 <= T; t += 8) {
     const __m512d pt = _mm512_cvtps_pd(_mm256_loadu_ps(p + t));
-    const __mmask8 alive = _mm256_cmpge_epi32_mask(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(map + t)),
-                                                   _mm256_setzero_si256());
+    const __mmask8 alive = _mm256_cmpge_epi32_mask(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(map + t)), _mm256_setzero_si256());
     const __m128i mk = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(modality + t));
     for (int j = 0; j < 4; ++j) {
-      const __mmask8 is_j = static_cast<__mmask8>(_mm_cmpeq_epi8_mask(mk, _mm_set1_epi8(static_cast<char>(j))));
+      const __mmask8 is_j =
+          static_cast<__mmask8>(_mm_cmpeq_epi8_mask(mk, _mm_set1_epi8(static_cast<char>(j))));
       vm[j] = _mm512_mask_add_pd(vm[j], is_j, vm[j], pt);
       vs[j] = _mm512_mask_add_pd(vs[j], is_j & alive, vs[j], pt);
     }

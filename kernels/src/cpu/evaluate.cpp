@@ -9,9 +9,9 @@
 #include "kvscope/kernels/evaluate.hpp"
 
 // First, so that its guarded <immintrin.h> is the one that takes effect.
-#include "attention_rows.hpp"
-
 #include <cblas.h>
+
+#include "attention_rows.hpp"
 #if defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -207,8 +207,10 @@ Status full_attention(const EvaluateParams& p, const void* q, const void* k, con
       const std::size_t head = static_cast<std::size_t>(h) * T * D;
       for (int t0 = 0; t0 < T; t0 += kTokenChunk) {
         const int tc = std::min(kTokenChunk, T - t0);
-        const float* kc = s.k.get(k, p.dtype, head + static_cast<std::size_t>(t0) * D, static_cast<std::size_t>(tc) * D);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, tc, D, scale, s.q.data(), D, kc, D, 0.0f, z + t0, T);
+        const float* kc =
+            s.k.get(k, p.dtype, head + static_cast<std::size_t>(t0) * D, static_cast<std::size_t>(tc) * D);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, tc, D, scale, s.q.data(), D, kc, D, 0.0f,
+                    z + t0, T);
       }
       for (int r = 0; r < nr; ++r) {
         float* zr = z + static_cast<std::size_t>(r) * T;
@@ -230,9 +232,10 @@ Status full_attention(const EvaluateParams& p, const void* q, const void* k, con
       // o = P V, accumulated over the same token chunks.
       for (int t0 = 0; t0 < T; t0 += kTokenChunk) {
         const int tc = std::min(kTokenChunk, T - t0);
-        const float* vc = s.v.get(v, p.dtype, head + static_cast<std::size_t>(t0) * D, static_cast<std::size_t>(tc) * D);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nr, D, tc, 1.0f, z + t0, T, vc, D, t0 == 0 ? 0.0f : 1.0f,
-                    full.output + row0 * D, D);
+        const float* vc =
+            s.v.get(v, p.dtype, head + static_cast<std::size_t>(t0) * D, static_cast<std::size_t>(tc) * D);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nr, D, tc, 1.0f, z + t0, T, vc, D,
+                    t0 == 0 ? 0.0f : 1.0f, full.output + row0 * D, D);
       }
     }
   };
@@ -293,7 +296,8 @@ Status evaluate_attention(const EvaluateParams& p, const void* q, const std::uin
           const float m = row_max(zr, S);
           cmax[r] = m;
           double zs = 0.0, es = 0.0;
-          rowmath::softmax_numerators(zr, S, m, er, &zs, &es, c.slot_modality + base, &cmass[r * kNumModalities]);
+          rowmath::softmax_numerators(zr, S, m, er, &zs, &es, c.slot_modality + base,
+                                      &cmass[r * kNumModalities]);
           csum[r] = zs;
           cent[r] = es;
         }
@@ -325,8 +329,8 @@ Status evaluate_attention(const EvaluateParams& p, const void* q, const std::uin
         double kl = 0.0;
         if (out.kl && survived > 0.0 && S > 0) {
           const double log_surv = std::log(survived), log_zc = std::log(csum[r]);
-          kl = rowmath::kl_row(am, s.zc.data() + static_cast<std::size_t>(r) * S, S, cmax[r], survived, log_surv,
-                               log_zc);
+          kl = rowmath::kl_row(am, s.zc.data() + static_cast<std::size_t>(r) * S, S, cmax[r], survived,
+                               log_surv, log_zc);
         }
         const double h_comp = S > 0 ? std::log(csum[r]) - cent[r] / csum[r] : 0.0;
         const double norm = std::sqrt(norm2), diff = std::sqrt(diff2);

@@ -3,8 +3,6 @@
 #include "kvscope/kernels/quantize.hpp"
 
 // First, so that its guarded <immintrin.h> is the one that takes effect.
-#include "quantize_avx512.hpp"
-
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -15,6 +13,7 @@
 #include <vector>
 
 #include "kvscope/kernels/nvtx.hpp"
+#include "quantize_avx512.hpp"
 
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -442,7 +441,8 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
 #pragma omp parallel if (p.parallel)
   {
     std::vector<float> buf(static_cast<std::size_t>(kRowChunk) * d);
-    std::vector<float> mn(static_cast<std::size_t>(kRowChunk) * ng), mx(mn.size()), s(mn.size()), z(mn.size());
+    std::vector<float> mn(static_cast<std::size_t>(kRowChunk) * ng), mx(mn.size()), s(mn.size()),
+        z(mn.size());
     std::vector<float> div(mn.size()), rcp(mn.size());
     std::vector<std::uint8_t> usable(mn.size());
     const float* xr[kRowChunk];
@@ -480,9 +480,9 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
           const float divisor = quant_math::encode_divisor(s[k]);
 #if defined(KVSCOPE_QUANT_AVX512)
           if (vector_rows) {
-            quant_avx512::encode_span<kBits, kFake>(xr[r], i0, n, quant_avx512::SpanGroup(s[k], z[k], div[k], rcp[k], p.spec.symmetric),
-                                                    usable[k] != 0, p.lo, p.hi, kNearHalf,
-                                                    codes_row<kFake>(p, o, row), out_row<kFake>(o, off));
+            quant_avx512::encode_span<kBits, kFake>(
+                xr[r], i0, n, quant_avx512::SpanGroup(s[k], z[k], div[k], rcp[k], p.spec.symmetric),
+                usable[k] != 0, p.lo, p.hi, kNearHalf, codes_row<kFake>(p, o, row), out_row<kFake>(o, off));
             continue;
           }
 #endif
@@ -542,9 +542,10 @@ void quantize_whole(const Plan& p, const void* x, const QuantOut& o) {
       const float* xr = row_as_float<kT>(x, off, d, buf.data());
 #if defined(KVSCOPE_QUANT_AVX512)
       const float divisor = quant_math::encode_divisor(s);
-      quant_avx512::encode_span<kBits, kFake>(xr, 0, d, quant_avx512::SpanGroup(s, z, divisor, 1.0f / divisor, p.spec.symmetric),
-                                              reciprocal_usable(divisor), p.lo, p.hi, kNearHalf,
-                                              codes_row<kFake>(p, o, row), out_row<kFake>(o, off));
+      quant_avx512::encode_span<kBits, kFake>(
+          xr, 0, d, quant_avx512::SpanGroup(s, z, divisor, 1.0f / divisor, p.spec.symmetric),
+          reciprocal_usable(divisor), p.lo, p.hi, kNearHalf, codes_row<kFake>(p, o, row),
+          out_row<kFake>(o, off));
       continue;
 #endif
       encode_span(xr, d, quant_math::encode_divisor(s), z, p.lo, p.hi, q.data());
@@ -584,8 +585,8 @@ void quantize_per_channel(const Plan& p, const void* x, const QuantOut& o) {
       }
       bool fast = true;
 #if defined(KVSCOPE_QUANT_AVX512)
-      quant_avx512::group_params(mn.data(), mx.data(), d, kBits, p.spec.symmetric, s.data(), z.data(), div.data(),
-                                 rcp.data(), usable.data());
+      quant_avx512::group_params(mn.data(), mx.data(), d, kBits, p.spec.symmetric, s.data(), z.data(),
+                                 div.data(), rcp.data(), usable.data());
       for (int i = 0; i < d; ++i) fast = fast && usable[i] != 0;
 #else
       for (int i = 0; i < d; ++i) {
@@ -600,10 +601,10 @@ void quantize_per_channel(const Plan& p, const void* x, const QuantOut& o) {
       for (std::int64_t t = t0; t < t1; ++t) {
         const std::int64_t off = p.row_offset(h, t);
 #if defined(KVSCOPE_QUANT_AVX512)
-        quant_avx512::encode_span<kBits, kFake>(row_as_float<kT>(x, off, d, buf.data()), 0, d,
-                                                quant_avx512::EachGroup{s.data(), z.data(), div.data(), rcp.data()},
-                                                fast, p.lo, p.hi, kNearHalf, codes_row<kFake>(p, o, h * Tq + t),
-                                                out_row<kFake>(o, off));
+        quant_avx512::encode_span<kBits, kFake>(
+            row_as_float<kT>(x, off, d, buf.data()), 0, d,
+            quant_avx512::EachGroup{s.data(), z.data(), div.data(), rcp.data()}, fast, p.lo, p.hi, kNearHalf,
+            codes_row<kFake>(p, o, h * Tq + t), out_row<kFake>(o, off));
         continue;
 #endif
         encode_span_each(row_as_float<kT>(x, off, d, buf.data()), d, div.data(), rcp.data(), fast, z.data(),

@@ -82,8 +82,7 @@ inline void store_packed(__m512i code, int n, std::uint8_t* out) {
     constexpr int kMask = (1 << kBits) - 1;
     // One field per byte (dead lanes 0), then pairs / quads of bytes folded into one
     // byte by multiply-adds: f0 + 16 f1 (4-bit), f0 + 4 f1 + 16 f2 + 64 f3 (2-bit).
-    const __m128i fields =
-        _mm512_cvtepi32_epi8(_mm512_maskz_and_epi32(live, code, _mm512_set1_epi32(kMask)));
+    const __m128i fields = _mm512_cvtepi32_epi8(_mm512_maskz_and_epi32(live, code, _mm512_set1_epi32(kMask)));
     __m128i packed;
     if constexpr (kBits == 4) {
       packed = _mm_cvtepi16_epi8(_mm_maddubs_epi16(fields, _mm_set1_epi16(0x1001)));  // bytes (1, 16)
@@ -146,8 +145,9 @@ struct EachGroup {
 // lane of the span, the whole span is recomputed with the division, as the portable
 // loop does. The flag is tested once per span, not in the step loop.
 template <int kBits, bool kFake, typename Group>
-[[gnu::always_inline]] inline void encode_span(const float* x, int i0, int n, const Group& g, bool fast, int lo, int hi, float near,
-                 std::uint8_t* codes_row, float* out_row) {
+[[gnu::always_inline]] inline void encode_span(const float* x, int i0, int n, const Group& g, bool fast,
+                                               int lo, int hi, float near, std::uint8_t* codes_row,
+                                               float* out_row) {
   const __m512 vlo = _mm512_set1_ps(static_cast<float>(lo)), vhi = _mm512_set1_ps(static_cast<float>(hi));
   const auto step = [&](int i, int m, __m512i code) {
     if constexpr (kFake) {
