@@ -1,13 +1,17 @@
 // CPU backend of compressed-cache evaluation (kvscope/kernels/evaluate.hpp).
 // Work item: one kv head x a block of up to kRowBlock query rows (its GQA group's
 // (q head, query) pairs stacked, [rows, D]). Q K^T and P V are single-threaded
-// cblas_sgemm calls on fp32 copies (K and V of a head converted once per thread and
-// head); OpenMP runs the work items in parallel with OpenBLAS kept at one thread.
+// cblas_sgemm calls on fp32 copies (the full cache's K and V converted a chunk of
+// kTokenChunk tokens at a time); OpenMP runs the work items in parallel with OpenBLAS
+// kept at one thread.
 // The full-cache side (full_attention) is computed once per layer and reused for
 // every compressed cache. Math: docs/kernels/evaluate.md.
 #include "kvscope/kernels/evaluate.hpp"
 
+// First, so that its guarded <immintrin.h> is the one that takes effect.
 #include <cblas.h>
+
+#include "attention_rows.hpp"
 #if defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -31,6 +35,10 @@ using rowmath::set_blas_single_threaded;
 using rowmath::to_float;
 
 constexpr int kRowBlock = 64;  // query rows per work item
+// Full-cache tokens per GEMM: a float chunk of K or V (256 KiB at D = 128) stays in
+// L2 from its conversion to the GEMM's packing; a whole head (4 MiB at T = 8192)
+// went through L3, shared by both cores.
+constexpr int kTokenChunk = 512;
 
 // max of x[0, n), n >= 1, with 16 independent lanes, so that it vectorises.
 inline float row_max(const float* x, int n) {
@@ -46,23 +54,19 @@ inline float row_max(const float* x, int n) {
   return m;
 }
 
-// [T, D] slice of head h of a [Hkv, T, D] tensor as float, cached per thread.
-class FloatHead {
+// Elements [offset, offset + n) of a dtype tensor as float: the tensor itself for
+// fp32, else a per-thread converted copy.
+class FloatSpan {
  public:
-  const float* get(const void* x, DType dt, int h, int T, int D) {
-    const std::size_t n = static_cast<std::size_t>(T) * D, base = static_cast<std::size_t>(h) * n;
-    if (dt == DType::kF32) return static_cast<const float*>(x) + base;
-    if (h != cached_) {
-      buf_.resize(n);
-      to_float(x, dt, base, n, buf_.data());
-      cached_ = h;
-    }
+  const float* get(const void* x, DType dt, std::size_t offset, std::size_t n) {
+    if (dt == DType::kF32) return static_cast<const float*>(x) + offset;
+    buf_.resize(n);
+    to_float(x, dt, offset, n, buf_.data());
     return buf_.data();
   }
 
  private:
   std::vector<float> buf_;
-  int cached_ = -1;
 };
 
 // Work items: kv head h, rows [r0, r0 + nr) of its M = G * Nq stacked query rows;
@@ -165,7 +169,7 @@ Status validate_cache(const EvaluateParams& p, const CompressedCache& c, const E
 
 // Thread-local buffers of a full_attention work item.
 struct FullScratch {
-  FloatHead k, v;
+  FloatSpan k, v;
   std::vector<float> q;  // [kRowBlock, D]
 };
 
@@ -200,21 +204,20 @@ Status full_attention(const EvaluateParams& p, const void* q, const void* k, con
       s.q.resize(static_cast<std::size_t>(nr) * D);
       to_float(q, p.dtype, row0 * D, s.q.size(), s.q.data());
       float* z = full.probs + row0 * T;  // logits, then probabilities, in place
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, T, D, scale, s.q.data(), D,
-                  s.k.get(k, p.dtype, h, T, D), D, 0.0f, z, T);
+      const std::size_t head = static_cast<std::size_t>(h) * T * D;
+      for (int t0 = 0; t0 < T; t0 += kTokenChunk) {
+        const int tc = std::min(kTokenChunk, T - t0);
+        const float* kc =
+            s.k.get(k, p.dtype, head + static_cast<std::size_t>(t0) * D, static_cast<std::size_t>(tc) * D);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, tc, D, scale, s.q.data(), D, kc, D, 0.0f,
+                    z + t0, T);
+      }
       for (int r = 0; r < nr; ++r) {
         float* zr = z + static_cast<std::size_t>(r) * T;
         const float m = row_max(zr, T);
         // e_t = exp(z_t - m); Z = sum e; H = log Z - sum e (z - m) / Z.
         double zs = 0.0, es = 0.0;
-#pragma omp simd reduction(+ : zs, es)
-        for (int t = 0; t < T; ++t) {
-          const float x = zr[t] - m;
-          const float e = exp_vec(x);
-          zr[t] = e;
-          zs += e;
-          es += static_cast<double>(e) * x;
-        }
+        rowmath::softmax_numerators(zr, T, m, zr, &zs, &es, nullptr, nullptr);
         const float inv = static_cast<float>(1.0 / zs);
         for (int t = 0; t < T; ++t) zr[t] *= inv;
         full.entropy[row0 + r] = static_cast<float>(std::log(zs) - es / zs);
@@ -226,9 +229,14 @@ Status full_attention(const EvaluateParams& p, const void* q, const void* k, con
           }
         }
       }
-      // o = P V.
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nr, D, T, 1.0f, z, T,
-                  s.v.get(v, p.dtype, h, T, D), D, 0.0f, full.output + row0 * D, D);
+      // o = P V, accumulated over the same token chunks.
+      for (int t0 = 0; t0 < T; t0 += kTokenChunk) {
+        const int tc = std::min(kTokenChunk, T - t0);
+        const float* vc =
+            s.v.get(v, p.dtype, head + static_cast<std::size_t>(t0) * D, static_cast<std::size_t>(tc) * D);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nr, D, tc, 1.0f, z + t0, T, vc, D,
+                    t0 == 0 ? 0.0f : 1.0f, full.output + row0 * D, D);
+      }
     }
   };
   for_each_row_block(p, Body{p, q, k, v, modality, full, T, D, scale});
@@ -288,17 +296,10 @@ Status evaluate_attention(const EvaluateParams& p, const void* q, const std::uin
           const float m = row_max(zr, S);
           cmax[r] = m;
           double zs = 0.0, es = 0.0;
-#pragma omp simd reduction(+ : zs, es)
-          for (int k = 0; k < S; ++k) {
-            const float x = zr[k] - m;
-            const float e = exp_vec(x);
-            er[k] = e;
-            zs += e;
-            es += static_cast<double>(e) * x;
-          }
+          rowmath::softmax_numerators(zr, S, m, er, &zs, &es, c.slot_modality + base,
+                                      &cmass[r * kNumModalities]);
           csum[r] = zs;
           cent[r] = es;
-          for (int k = 0; k < S; ++k) cmass[r * kNumModalities + c.slot_modality[base + k]] += er[k];
         }
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nr, D, S, 1.0f, s.ec.data(), S,
                     c.v + static_cast<std::size_t>(base) * D, D, 0.0f, s.oc.data(), D);
@@ -308,14 +309,11 @@ Status evaluate_attention(const EvaluateParams& p, const void* q, const std::uin
         const std::size_t row = row0 + r;
         const float* pr = full.probs + row * T;
         // Full probabilities per modality, over surviving tokens, and per slot.
-        double mass[kNumModalities] = {0.0, 0.0, 0.0, 0.0}, surv[kNumModalities] = {0.0, 0.0, 0.0, 0.0};
+        double mass[kNumModalities], surv[kNumModalities];
+        rowmath::modality_sums(pr, modality, map, T, mass, surv);
         float* am = s.slot_mass.data() + static_cast<std::size_t>(r) * S;
         for (int t = 0; t < T; ++t) {
-          mass[modality[t]] += pr[t];
-          if (map[t] >= 0) {
-            surv[modality[t]] += pr[t];
-            am[map[t]] += pr[t];
-          }
+          if (map[t] >= 0) am[map[t]] += pr[t];
         }
         const double total = (mass[0] + mass[1]) + (mass[2] + mass[3]);
         const float Zc = static_cast<float>(csum[r]);
@@ -331,13 +329,8 @@ Status evaluate_attention(const EvaluateParams& p, const void* q, const std::uin
         double kl = 0.0;
         if (out.kl && survived > 0.0 && S > 0) {
           const double log_surv = std::log(survived), log_zc = std::log(csum[r]);
-          const float* zr = s.zc.data() + static_cast<std::size_t>(r) * S;
-          for (int k = 0; k < S; ++k) {
-            if (!(am[k] > 0.0f)) continue;
-            const double log_p = std::log(static_cast<double>(am[k])) - log_surv;
-            const double log_pc = static_cast<double>(zr[k] - cmax[r]) - log_zc;
-            kl += (static_cast<double>(am[k]) / survived) * (log_p - log_pc);  // P(s) (log P(s) - log p~(s))
-          }
+          kl = rowmath::kl_row(am, s.zc.data() + static_cast<std::size_t>(r) * S, S, cmax[r], survived,
+                               log_surv, log_zc);
         }
         const double h_comp = S > 0 ? std::log(csum[r]) - cent[r] / csum[r] : 0.0;
         const double norm = std::sqrt(norm2), diff = std::sqrt(diff2);

@@ -2,6 +2,7 @@
 // The scalar math lives in quant_math (quantize.hpp), shared with the CUDA backend.
 #include "kvscope/kernels/quantize.hpp"
 
+// First, so that its guarded <immintrin.h> is the one that takes effect.
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "kvscope/kernels/nvtx.hpp"
+#include "quantize_avx512.hpp"
 
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -136,6 +138,9 @@ const float* row_as_float(const void* x, std::int64_t offset, int n, float* __re
   } else {
     const std::uint16_t* __restrict p = static_cast<const std::uint16_t*>(x) + offset;
     int i = 0;
+#if defined(KVSCOPE_QUANT_AVX512)
+    i = quant_avx512::f16_to_float_steps(p, n, buf);
+#endif
 #if defined(__F16C__)
     // vcvtph2ps converts every finite value and infinity exactly; it would quiet a
     // signalling NaN, so a group of 8 holding a NaN takes the bit-exact path below.
@@ -401,35 +406,94 @@ inline void emit_row(const Plan& p, const QuantOut& o, std::int64_t row, const s
   if constexpr (!kFake) pack_row<kBits>(q, p.shape.head_dim, fields, o.codes + row * p.layout.row_bytes);
 }
 
+#if defined(KVSCOPE_QUANT_AVX512)
+// Destinations of row `row` (element offset `off`) for the AVX-512 pipeline, which
+// writes packed codes (quantize) or dequantized floats (fake quant) directly.
+template <bool kFake>
+inline std::uint8_t* codes_row(const Plan& p, const QuantOut& o, std::int64_t row) {
+  if constexpr (kFake) return nullptr;
+  return o.codes + row * p.layout.row_bytes;
+}
+template <bool kFake>
+inline float* out_row(const QuantOut& o, std::int64_t off) {
+  if constexpr (kFake) return o.out + off;
+  return nullptr;
+}
+#endif
+
 // ---------------------------------------------------------------- quantize kernels
 
-// Per-token groups: one pass per row (statistics, codes, output) while the row is in L1.
+// Per-token groups, a block of kRowChunk rows at a time while it is in L1: first the
+// statistics and parameters of every group of the block, then the codes. Separating
+// the phases gives the out-of-order core independent work: done row by row, each
+// row's min/max reduction and the divisions of its parameters formed one dependency
+// chain in front of its encoding.
 template <DType kT, int kBits, bool kFake>
 void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
-  const std::int64_t H = p.shape.num_heads, Tq = p.layout.quant_tokens;
+  const std::int64_t H = p.shape.num_heads, Tq = p.layout.quant_tokens, rows = H * Tq;
   const int d = p.shape.head_dim, G = static_cast<int>(p.layout.group_size);
-  const std::int64_t ng = p.layout.groups_per_row;
+  const int ng = static_cast<int>(p.layout.groups_per_row);
+  const std::int64_t blocks = (rows + kRowChunk - 1) / kRowChunk;
+#if defined(KVSCOPE_QUANT_AVX512)
+  // Every group starts a 16-element step (the llava layouts: G = D or G = 32).
+  const bool vector_rows = G % quant_avx512::kStep == 0 || ng == 1;
+#endif
 #pragma omp parallel if (p.parallel)
   {
-    std::vector<float> buf(static_cast<std::size_t>(d));
-    std::vector<std::int32_t> q(buf.size());
-    std::vector<std::uint8_t> fields(buf.size() + 3);
+    std::vector<float> buf(static_cast<std::size_t>(kRowChunk) * d);
+    std::vector<float> mn(static_cast<std::size_t>(kRowChunk) * ng), mx(mn.size()), s(mn.size()),
+        z(mn.size());
+    std::vector<float> div(mn.size()), rcp(mn.size());
+    std::vector<std::uint8_t> usable(mn.size());
+    const float* xr[kRowChunk];
+    std::vector<std::int32_t> q(static_cast<std::size_t>(d));
+    std::vector<std::uint8_t> fields(q.size() + 3);
     residual_rows<kFake>(p, x, o);
-#pragma omp for schedule(dynamic, kRowChunk)
-    for (std::int64_t row = 0; row < H * Tq; ++row) {
-      const std::int64_t off = p.row_offset(row / Tq, row % Tq);
-      const float* xr = row_as_float<kT>(x, off, d, buf.data());
-      for (std::int64_t g = 0; g < ng; ++g) {
-        const int i0 = static_cast<int>(g) * G, n = std::min(d - i0, G);
-        float mn = 0.0f, mx = 0.0f, s = 0.0f, z = 0.0f;
-        min_max(xr + i0, n, &mn, &mx);
-        quant_math::group_params(mn, mx, kBits, p.spec.symmetric, &s, &z);
-        o.scales[row * ng + g] = s;
-        if (o.zeros != nullptr) o.zeros[row * ng + g] = z;
-        encode_span(xr + i0, n, quant_math::encode_divisor(s), z, p.lo, p.hi, q.data() + i0);
-        if constexpr (kFake) decode_span(q.data() + i0, n, s, z, o.out + off + i0);
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t blk = 0; blk < blocks; ++blk) {
+      const std::int64_t r0 = blk * kRowChunk;
+      const int nr = static_cast<int>(std::min<std::int64_t>(kRowChunk, rows - r0));
+      const auto offset = [&](int r) { return p.row_offset((r0 + r) / Tq, (r0 + r) % Tq); };
+      for (int r = 0; r < nr; ++r) {
+        xr[r] = row_as_float<kT>(x, offset(r), d, buf.data() + static_cast<std::size_t>(r) * d);
+        for (int g = 0; g < ng; ++g) {
+          const int i0 = g * G, k = r * ng + g;
+          min_max(xr[r] + i0, std::min(d - i0, G), &mn[k], &mx[k]);
+        }
       }
-      emit_row<kBits, kFake>(p, o, row, q.data(), fields.data());
+#if defined(KVSCOPE_QUANT_AVX512)
+      quant_avx512::group_params(mn.data(), mx.data(), nr * ng, kBits, p.spec.symmetric, s.data(), z.data(),
+                                 div.data(), rcp.data(), usable.data());
+      std::copy(s.begin(), s.begin() + nr * ng, o.scales + r0 * ng);
+      if (o.zeros != nullptr) std::copy(z.begin(), z.begin() + nr * ng, o.zeros + r0 * ng);
+#else
+      for (int k = 0; k < nr * ng; ++k) {
+        quant_math::group_params(mn[k], mx[k], kBits, p.spec.symmetric, &s[k], &z[k]);
+        o.scales[r0 * ng + k] = s[k];
+        if (o.zeros != nullptr) o.zeros[r0 * ng + k] = z[k];
+      }
+#endif
+      for (int r = 0; r < nr; ++r) {
+        const std::int64_t row = r0 + r, off = offset(r);
+        for (int g = 0; g < ng; ++g) {
+          const int i0 = g * G, n = std::min(d - i0, G), k = r * ng + g;
+          const float divisor = quant_math::encode_divisor(s[k]);
+#if defined(KVSCOPE_QUANT_AVX512)
+          if (vector_rows) {
+            quant_avx512::encode_span<kBits, kFake>(
+                xr[r], i0, n, quant_avx512::SpanGroup(s[k], z[k], div[k], rcp[k], p.spec.symmetric),
+                usable[k] != 0, p.lo, p.hi, kNearHalf, codes_row<kFake>(p, o, row), out_row<kFake>(o, off));
+            continue;
+          }
+#endif
+          encode_span(xr[r] + i0, n, divisor, z[k], p.lo, p.hi, q.data() + i0);
+          if constexpr (kFake) decode_span(q.data() + i0, n, s[k], z[k], o.out + off + i0);
+        }
+#if defined(KVSCOPE_QUANT_AVX512)
+        if (vector_rows) continue;
+#endif
+        emit_row<kBits, kFake>(p, o, row, q.data(), fields.data());
+      }
     }
   }
 }
@@ -475,8 +539,16 @@ void quantize_whole(const Plan& p, const void* x, const QuantOut& o) {
     for (std::int64_t row = 0; row < H * Tq; ++row) {
       const std::int64_t g = per_tensor ? 0 : row / Tq, off = p.row_offset(row / Tq, row % Tq);
       const float s = o.scales[g], z = o.zeros != nullptr ? o.zeros[g] : 0.0f;
-      encode_span(row_as_float<kT>(x, off, d, buf.data()), d, quant_math::encode_divisor(s), z, p.lo, p.hi,
-                  q.data());
+      const float* xr = row_as_float<kT>(x, off, d, buf.data());
+#if defined(KVSCOPE_QUANT_AVX512)
+      const float divisor = quant_math::encode_divisor(s);
+      quant_avx512::encode_span<kBits, kFake>(
+          xr, 0, d, quant_avx512::SpanGroup(s, z, divisor, 1.0f / divisor, p.spec.symmetric),
+          reciprocal_usable(divisor), p.lo, p.hi, kNearHalf, codes_row<kFake>(p, o, row),
+          out_row<kFake>(o, off));
+      continue;
+#endif
+      encode_span(xr, d, quant_math::encode_divisor(s), z, p.lo, p.hi, q.data());
       if constexpr (kFake) decode_span(q.data(), d, s, z, o.out + off);
       emit_row<kBits, kFake>(p, o, row, q.data(), fields.data());
     }
@@ -494,6 +566,7 @@ void quantize_per_channel(const Plan& p, const void* x, const QuantOut& o) {
   {
     const std::size_t n = static_cast<std::size_t>(d);
     std::vector<float> buf(n), mn(n), mx(n), s(n), z(n), div(n), rcp(n);
+    std::vector<std::uint8_t> usable(n);
     std::vector<std::int32_t> q(n);
     std::vector<std::uint8_t> fields(n + 3);
     residual_rows<kFake>(p, x, o);
@@ -511,16 +584,29 @@ void quantize_per_channel(const Plan& p, const void* x, const QuantOut& o) {
         }
       }
       bool fast = true;
+#if defined(KVSCOPE_QUANT_AVX512)
+      quant_avx512::group_params(mn.data(), mx.data(), d, kBits, p.spec.symmetric, s.data(), z.data(),
+                                 div.data(), rcp.data(), usable.data());
+      for (int i = 0; i < d; ++i) fast = fast && usable[i] != 0;
+#else
       for (int i = 0; i < d; ++i) {
         quant_math::group_params(mn[i], mx[i], kBits, p.spec.symmetric, &s[i], &z[i]);
         div[i] = quant_math::encode_divisor(s[i]);
         fast = fast && reciprocal_usable(div[i]);
         rcp[i] = 1.0f / div[i];
       }
+#endif
       std::copy(s.begin(), s.end(), o.scales + hg * d);
       if (o.zeros != nullptr) std::copy(z.begin(), z.end(), o.zeros + hg * d);
       for (std::int64_t t = t0; t < t1; ++t) {
         const std::int64_t off = p.row_offset(h, t);
+#if defined(KVSCOPE_QUANT_AVX512)
+        quant_avx512::encode_span<kBits, kFake>(
+            row_as_float<kT>(x, off, d, buf.data()), 0, d,
+            quant_avx512::EachGroup{s.data(), z.data(), div.data(), rcp.data()}, fast, p.lo, p.hi, kNearHalf,
+            codes_row<kFake>(p, o, h * Tq + t), out_row<kFake>(o, off));
+        continue;
+#endif
         encode_span_each(row_as_float<kT>(x, off, d, buf.data()), d, div.data(), rcp.data(), fast, z.data(),
                          p.lo, p.hi, q.data());
         if constexpr (kFake) decode_span_each(q.data(), d, s.data(), z.data(), o.out + off);

@@ -1,0 +1,235 @@
+// AVX-512 row pipeline of the CPU quantization kernels (internal to quantize.cpp,
+// which is compiled with -ffp-contract=off). One 16-lane step encodes 16 elements of
+// a float row and writes their packed code bytes (quantize) or dequantized floats
+// (fake quant) straight from registers: no int32 code buffer, no second pass to pack.
+// The codes are bit for bit quant_math::encode_with_divisor and the floats
+// quant_math::decode; quantize.cpp keeps the portable loops for other targets and for
+// group layouts that do not start every group on a 16-element boundary.
+#pragma once
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define KVSCOPE_QUANT_AVX512 1
+
+// GCC 12's AVX-512 intrinsics pass an uninitialised pass-through operand
+// (_mm512_undefined_ps) that -Wmaybe-uninitialized reports once they are inlined at
+// -O3 (GCC bug 105593, fixed in 12.3); silenced for the intrinsics header only.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+
+#include <cstdint>
+#include <cstring>
+
+namespace kvscope::kernels::cpu::quant_avx512 {
+
+constexpr int kStep = 16;  // floats per 512-bit register
+
+// Lanes [0, n) of a step, n <= 16.
+inline __mmask16 lanes(int n) { return n >= kStep ? __mmask16(0xffff) : __mmask16((1u << n) - 1u); }
+
+// clamp(v, lo, hi) exactly as encode_with_divisor: v >= lo ? v : lo maps NaN to lo.
+// vmaxps(v, lo) returns its second operand when either is NaN or both are equal, and
+// vminps(c, hi) its second when equal: the same values (an equal lane holds lo or hi).
+inline __m512 clamp(__m512 v, __m512 lo, __m512 hi) { return _mm512_min_ps(_mm512_max_ps(v, lo), hi); }
+
+// Code of a clamped quotient c: truncation plus +-1 on the exact fraction (rounding
+// half away from zero), as encode_with_divisor; *frac receives c - trunc(c).
+inline __m512i round_code(__m512 c, __m512* frac) {
+  const __m512i i = _mm512_cvttps_epi32(c);
+  *frac = _mm512_sub_ps(c, _mm512_cvtepi32_ps(i));
+  const __mmask16 up = _mm512_cmp_ps_mask(*frac, _mm512_set1_ps(0.5f), _CMP_GE_OQ);
+  const __mmask16 down = _mm512_cmp_ps_mask(*frac, _mm512_set1_ps(-0.5f), _CMP_LE_OQ);
+  const __m512i one = _mm512_set1_epi32(1);
+  return _mm512_mask_sub_epi32(_mm512_mask_add_epi32(i, up, i, one), down, i, one);
+}
+
+// The reciprocal path's code and its redo flag. Away from half-integers rounding
+// half away from zero is trunc(c + copysign(0.5, c)): u = c +- 0.5 is rounded to
+// float with an error <= 2^-17 (|u| <= 255.5), so when u is at least near_half
+// (1/8192) from every integer, trunc(u) is the correctly rounded code of c, and c is
+// at least near_half - 2^-17 > 4.6e-5 from every half-integer, which is what makes the
+// reciprocal quotient's code equal the division's (quantize.cpp's encode_span). The
+// flagged lanes are recomputed with the division and round_code; a flag raised where
+// it was not needed only costs time, so the codes are exactly the division's.
+inline __m512i fast_code(__m512 c, __mmask16 live, float near_half, __mmask16* redo) {
+  // (c & sign) | 0.5 = copysign(0.5, c), one vpternlogd.
+  const __m512 half = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(
+      _mm512_castps_si512(c), _mm512_set1_epi32(static_cast<int>(0x80000000u)), _mm512_set1_epi32(0x3f000000),
+      0xea));  // (a & b) | c
+  const __m512 u = _mm512_add_ps(c, half);
+  // vreduceps: u - rint(u), exact.
+  const __m512 dist = _mm512_abs_ps(_mm512_reduce_ps(u, _MM_FROUND_TO_NEAREST_INT));
+  *redo |= _mm512_mask_cmp_ps_mask(live, dist, _mm512_set1_ps(near_half), _CMP_LT_OQ);
+  return _mm512_cvttps_epi32(u);
+}
+
+// Writes the packed fields of the first n codes (lowest bits first, the unused high
+// bits of a partial last byte 0) at out, which is byte-aligned because a step starts
+// at a multiple of 16 elements. Full steps use plain stores: a masked vpmovdb to
+// memory is slow on some cores (Zen 4).
+template <int kBits>
+inline void store_packed(__m512i code, int n, std::uint8_t* out) {
+  const __mmask16 live = lanes(n);
+  if constexpr (kBits == 8) {
+    const __m128i bytes = _mm512_cvtepi32_epi8(code);  // vpmovdb keeps the low 8 bits
+    if (n == kStep) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), bytes);
+    } else {
+      _mm_mask_storeu_epi8(out, live, bytes);
+    }
+  } else {
+    constexpr int kMask = (1 << kBits) - 1;
+    // One field per byte (dead lanes 0), then pairs / quads of bytes folded into one
+    // byte by multiply-adds: f0 + 16 f1 (4-bit), f0 + 4 f1 + 16 f2 + 64 f3 (2-bit).
+    const __m128i fields = _mm512_cvtepi32_epi8(_mm512_maskz_and_epi32(live, code, _mm512_set1_epi32(kMask)));
+    __m128i packed;
+    if constexpr (kBits == 4) {
+      packed = _mm_cvtepi16_epi8(_mm_maddubs_epi16(fields, _mm_set1_epi16(0x1001)));  // bytes (1, 16)
+    } else {
+      const __m128i pairs = _mm_maddubs_epi16(fields, _mm_set1_epi16(0x0401));        // bytes (1, 4)
+      packed = _mm_cvtepi32_epi8(_mm_madd_epi16(pairs, _mm_set1_epi32(0x00100001)));  // words (1, 16)
+    }
+    if (n == kStep) {
+      if constexpr (kBits == 4) {
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(out), packed);
+      } else {
+        const std::int32_t word = _mm_cvtsi128_si32(packed);
+        std::memcpy(out, &word, sizeof(word));
+      }
+    } else {
+      const int bytes = (n * kBits + 7) / 8;
+      _mm_mask_storeu_epi8(out, __mmask16((1u << bytes) - 1u), packed);
+    }
+  }
+}
+
+// quant_math::decode lane by lane: zero + float(code) * scale, two roundings.
+inline __m512 decode(__m512i code, __m512 scale, __m512 zero) {
+  return _mm512_add_ps(zero, _mm512_mul_ps(_mm512_cvtepi32_ps(code), scale));
+}
+
+// Per-lane group parameters of one step: one group for the whole span, or one per
+// element (per-channel granularity: [d] arrays indexed by the element).
+struct SpanGroup {
+  SpanGroup(float s, float z, float divisor, float reciprocal, bool symmetric)
+      : scale(_mm512_set1_ps(s)),
+        zero(_mm512_set1_ps(z)),
+        div(_mm512_set1_ps(divisor)),
+        rcp(_mm512_set1_ps(reciprocal)),
+        zero_is_0(symmetric) {}
+  __m512 scale, zero, div, rcp;
+  bool zero_is_0;  // symmetric: x - 0 is x for every non-NaN x (and NaN encodes as lo either way)
+  __m512 minus_zero(__m512 x, __mmask16, int) const { return zero_is_0 ? x : _mm512_sub_ps(x, zero); }
+  __m512 load_scale(__mmask16, int) const { return scale; }
+  __m512 load_zero(__mmask16, int) const { return zero; }
+  __m512 load_divisor(__mmask16, int) const { return div; }
+  __m512 load_rcp(__mmask16, int) const { return rcp; }
+};
+struct EachGroup {
+  const float *scale, *zero, *divisor, *rcp;
+  __m512 load_scale(__mmask16 m, int i) const { return _mm512_maskz_loadu_ps(m, scale + i); }
+  __m512 load_zero(__mmask16 m, int i) const { return _mm512_maskz_loadu_ps(m, zero + i); }
+  __m512 load_divisor(__mmask16 m, int i) const {  // dead lanes divide by 1
+    return _mm512_mask_loadu_ps(_mm512_set1_ps(1.0f), m, divisor + i);
+  }
+  __m512 load_rcp(__mmask16 m, int i) const { return _mm512_maskz_loadu_ps(m, rcp + i); }
+  __m512 minus_zero(__m512 x, __mmask16 m, int i) const { return _mm512_sub_ps(x, load_zero(m, i)); }
+};
+
+// Elements [i0, i0 + n) of row x, i0 % 16 == 0: packed codes into codes_row (the
+// row's bytes, quantize) or decoded floats into out_row (fake quant). Codes are
+// bit for bit quant_math::encode_with_divisor: when fast (every divisor passes
+// reciprocal_usable) they are first computed as (x - zero) * (1 / divisor), exact
+// away from half-integers (see quantize.cpp's encode_span); if fast_code flagged any
+// lane of the span, the whole span is recomputed with the division, as the portable
+// loop does. The flag is tested once per span, not in the step loop.
+template <int kBits, bool kFake, typename Group>
+[[gnu::always_inline]] inline void encode_span(const float* x, int i0, int n, const Group& g, bool fast,
+                                               int lo, int hi, float near, std::uint8_t* codes_row,
+                                               float* out_row) {
+  const __m512 vlo = _mm512_set1_ps(static_cast<float>(lo)), vhi = _mm512_set1_ps(static_cast<float>(hi));
+  const auto step = [&](int i, int m, __m512i code) {
+    if constexpr (kFake) {
+      const __m512 v = decode(code, g.load_scale(lanes(m), i), g.load_zero(lanes(m), i));
+      if (m == kStep) {
+        _mm512_storeu_ps(out_row + i, v);
+      } else {
+        _mm512_mask_storeu_ps(out_row + i, lanes(m), v);
+      }
+    } else {
+      store_packed<kBits>(code, m, codes_row + i * kBits / 8);
+    }
+  };
+  const int end = i0 + n;
+  if (fast) {
+    __mmask16 redo = 0;
+    for (int i = i0; i < end; i += kStep) {
+      const int m = end - i < kStep ? end - i : kStep;
+      const __mmask16 live = lanes(m);
+      const __m512 diff = g.minus_zero(_mm512_maskz_loadu_ps(live, x + i), live, i);
+      step(i, m, fast_code(clamp(_mm512_mul_ps(diff, g.load_rcp(live, i)), vlo, vhi), live, near, &redo));
+    }
+    if (redo == 0) return;
+  }
+  __m512 frac;
+  for (int i = i0; i < end; i += kStep) {
+    const int m = end - i < kStep ? end - i : kStep;
+    const __mmask16 live = lanes(m);
+    const __m512 diff = g.minus_zero(_mm512_maskz_loadu_ps(live, x + i), live, i);
+    step(i, m, round_code(clamp(_mm512_div_ps(diff, g.load_divisor(live, i)), vlo, vhi), &frac));
+  }
+}
+
+// quant_math::group_params, encode_divisor, 1 / divisor and reciprocal_usable of n
+// groups, 16 at a time (lane by lane the same operations: IEEE division, the same
+// comparisons and selects). usable[k] = 1 when divisor k passes reciprocal_usable.
+// Per channel a block has D groups and per token 16 rows x (D / G) groups: done one
+// by one, their divisions were a large part of the time.
+inline void group_params(const float* mn, const float* mx, int n, int bits, bool symmetric, float* scale,
+                         float* zero, float* divisor, float* rcp, std::uint8_t* usable) {
+  const int levels = symmetric ? (1 << (bits - 1)) - 1 : (1 << bits) - 1;  // quant_math::code_max
+  const __m512 vlevels = _mm512_set1_ps(static_cast<float>(levels)), one = _mm512_set1_ps(1.0f);
+  for (int i = 0; i < n; i += kStep) {
+    const __mmask16 live = lanes(n - i);
+    const __m512 lo = _mm512_maskz_loadu_ps(live, mn + i), hi = _mm512_maskz_loadu_ps(live, mx + i);
+    __m512 s, z;
+    if (symmetric) {
+      // max_f(-mn, mx) = mx > -mn ? mx : -mn; a constant group keeps its magnitude.
+      const __m512 amax = _mm512_max_ps(hi, _mm512_xor_ps(lo, _mm512_set1_ps(-0.0f)));
+      const __mmask16 constant = _mm512_cmp_ps_mask(lo, hi, _CMP_EQ_OQ);
+      s = _mm512_mask_blend_ps(constant, _mm512_div_ps(amax, vlevels), amax);
+      z = _mm512_setzero_ps();
+    } else {
+      s = _mm512_div_ps(_mm512_sub_ps(hi, lo), vlevels);
+      z = lo;
+    }
+    const __m512 d = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(s, _mm512_setzero_ps(), _CMP_GT_OQ), one, s);
+    const __mmask16 ok = _mm512_cmp_ps_mask(d, _mm512_set1_ps(0x1p-100f), _CMP_GE_OQ) &
+                         _mm512_cmp_ps_mask(d, _mm512_set1_ps(0x1p100f), _CMP_LE_OQ);
+    _mm512_mask_storeu_ps(scale + i, live, s);
+    _mm512_mask_storeu_ps(zero + i, live, z);
+    _mm512_mask_storeu_ps(divisor + i, live, d);
+    _mm512_mask_storeu_ps(rcp + i, live, _mm512_div_ps(one, d));
+    _mm_mask_storeu_epi8(usable + i, live, _mm_maskz_set1_epi8(ok, 1));
+  }
+}
+
+// fp16 -> float of the whole 16-element steps of n elements. vcvtph2ps is exact
+// except that it quiets a signalling NaN, so when any converted value is NaN this
+// returns 0 and the caller converts the row with its bit-exact path instead; else it
+// returns the number of elements converted (a multiple of 16).
+inline int f16_to_float_steps(const std::uint16_t* p, int n, float* dst) {
+  __mmask16 nan = 0;
+  int i = 0;
+  for (; i + kStep <= n; i += kStep) {
+    const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)));
+    nan |= _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    _mm512_storeu_ps(dst + i, f);
+  }
+  return nan == 0 ? i : 0;
+}
+
+}  // namespace kvscope::kernels::cpu::quant_avx512
+
+#endif
