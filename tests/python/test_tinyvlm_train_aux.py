@@ -109,9 +109,9 @@ class AuxTargetsTest(unittest.TestCase):
         import os
         import tempfile
         with tempfile.TemporaryDirectory() as d:
-            self.assertEqual(train.main(["--out", d, "--smoke", "--seed", "4", "--aux-weight", "0.5",
-                                         "--aux-position", "--aux-binding", "0.5", "--aux-ground", "0.5",
-                                         "--ground-layer", "1"]), 0)
+            self.assertEqual(train.main(["--out", d, "--smoke", "--seed", "4", "--threads", "1",
+                                         "--aux-weight", "0.5", "--aux-position", "--aux-binding", "0.5",
+                                         "--aux-ground", "0.5", "--ground-layer", "1"]), 0)
             with open(os.path.join(d, "train_log.json")) as f:
                 log = json.load(f)
             self.assertEqual(log["steps"], 40)

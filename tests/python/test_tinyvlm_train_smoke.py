@@ -19,7 +19,7 @@ class SmokeTrainTest(unittest.TestCase):
     def test_smoke_training(self):
         with tempfile.TemporaryDirectory() as d:
             t0 = time.time()
-            self.assertEqual(train.main(["--out", d, "--smoke", "--seed", "3"]), 0)
+            self.assertEqual(train.main(["--out", d, "--smoke", "--seed", "3", "--threads", "1"]), 0)
             print(f"smoke training took {time.time() - t0:.1f}s", file=sys.stderr)
             with open(os.path.join(d, "train_log.json")) as f:
                 log = json.load(f)
