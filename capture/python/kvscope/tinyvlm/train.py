@@ -1,8 +1,10 @@
 """Train the tiny VLM on the tiny-shapes dataset (CPU, deterministic for a seed).
 
-  train.py --out DIR [--seed S] [--minutes M] [--steps N] [--batch B] [--lr LR] [--smoke]
+  train.py --out DIR [--seed S] [--minutes M] [--steps N] [--batch B] [--lr LR] [--aux-* ...] [--smoke]
 
-Trains with teacher forcing (loss on the answer tokens and <eos> only), AdamW with warmup + cosine decay
+Trains with teacher forcing (loss on the answer tokens and <eos>, plus the optional auxiliary losses of
+--aux-weight/--aux-position, --aux-binding and --aux-ground, which shape vision positions, stated colours and
+one attention head during training only), AdamW with warmup + cosine decay
 over --steps (stopping early at --minutes of wall time), evaluates exact-match accuracy on held-out samples
 (overall and per family) and writes config.json, model.safetensors, vocab.json (and train_log.json) into
 DIR. Determinism: weights init from torch.manual_seed(seed), the training stream is dataset split
@@ -271,8 +273,13 @@ def train(args) -> dict:
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description="Train the kvscope tiny VLM on the tiny-shapes dataset (CPU).",
-                                 epilog="example: PYTHONPATH=capture/python /usr/bin/python3 -m "
-                                        "kvscope.tinyvlm.train --out traces/models/tiny-shapes --seed 0")
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="the shipped model (traces/models/tiny-shapes/README.md: 95.5 % held-out, "
+                                        "about 25 CPU-minutes):\n  PYTHONPATH=capture/python /usr/bin/python3 -m "
+                                        "kvscope.tinyvlm.train --out DIR --seed 0 --batch 32 \\\n"
+                                        "    --steps 3000 --lr 2e-3 --warmup 150 --aux-weight 0.5 --aux-position "
+                                        "--aux-binding 0.5 \\\n    --aux-ground 0.5 --threads 1 --eval-every 300 "
+                                        "--eval-samples 400 --minutes 60")
     ap.add_argument("--out", required=True, help="output model directory")
     ap.add_argument("--seed", type=int, default=0, help="init and data seed (default 0)")
     ap.add_argument("--minutes", type=float, default=30.0, help="wall-clock limit (default 30)")
