@@ -44,26 +44,6 @@ inline __m512i round_code(__m512 c, __m512* frac) {
   return _mm512_mask_sub_epi32(_mm512_mask_add_epi32(i, up, i, one), down, i, one);
 }
 
-// The reciprocal path's code and its redo flag. Away from half-integers rounding
-// half away from zero is trunc(c + copysign(0.5, c)): u = c +- 0.5 is rounded to
-// float with an error <= 2^-17 (|u| <= 255.5), so when u is at least near_half
-// (1/8192) from every integer, trunc(u) is the correctly rounded code of c, and c is
-// at least near_half - 2^-17 > 4.6e-5 from every half-integer, which is what makes the
-// reciprocal quotient's code equal the division's (quantize.cpp's encode_span). The
-// flagged lanes are recomputed with the division and round_code; a flag raised where
-// it was not needed only costs time, so the codes are exactly the division's.
-inline __m512i fast_code(__m512 c, __mmask16 live, float near_half, __mmask16* redo) {
-  // (c & sign) | 0.5 = copysign(0.5, c), one vpternlogd.
-  const __m512 half = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(
-      _mm512_castps_si512(c), _mm512_set1_epi32(static_cast<int>(0x80000000u)), _mm512_set1_epi32(0x3f000000),
-      0xea));  // (a & b) | c
-  const __m512 u = _mm512_add_ps(c, half);
-  // vreduceps: u - rint(u), exact.
-  const __m512 dist = _mm512_abs_ps(_mm512_reduce_ps(u, _MM_FROUND_TO_NEAREST_INT));
-  *redo |= _mm512_mask_cmp_ps_mask(live, dist, _mm512_set1_ps(near_half), _CMP_LT_OQ);
-  return _mm512_cvttps_epi32(u);
-}
-
 // Writes the packed fields of the first n codes (lowest bits first, the unused high
 // bits of a partial last byte 0) at out, which is byte-aligned because a step starts
 // at a multiple of 16 elements. Full steps use plain stores: a masked vpmovdb to
@@ -140,44 +120,59 @@ struct EachGroup {
 // Elements [i0, i0 + n) of row x, i0 % 16 == 0: packed codes into codes_row (the
 // row's bytes, quantize) or decoded floats into out_row (fake quant). Codes are
 // bit for bit quant_math::encode_with_divisor: when fast (every divisor passes
-// reciprocal_usable) they are first computed as (x - zero) * (1 / divisor), exact
-// away from half-integers (see quantize.cpp's encode_span); if fast_code flagged any
-// lane of the span, the whole span is recomputed with the division, as the portable
-// loop does. The flag is tested once per span, not in the step loop.
+// reciprocal_usable) they are first computed from c = clamp((x - zero) * (1 / divisor)),
+// exact away from half-integers (see quantize.cpp's encode_span): the code is c rounded
+// to nearest (vcvtps2dq; it differs from rounding half away from zero only on a tie),
+// and the span keeps the largest |c - rint(c)| (vreduceps, exact; vrangeps, one
+// instruction per step). If that reaches 0.5 - near, some lane lies within near of a
+// half-integer (a tie included) and the whole span is recomputed with the division, as
+// the portable loop does. Full steps run without lane masks.
 template <int kBits, bool kFake, typename Group>
 [[gnu::always_inline]] inline void encode_span(const float* x, int i0, int n, const Group& g, bool fast,
                                                int lo, int hi, float near, std::uint8_t* codes_row,
                                                float* out_row) {
   const __m512 vlo = _mm512_set1_ps(static_cast<float>(lo)), vhi = _mm512_set1_ps(static_cast<float>(hi));
-  const auto step = [&](int i, int m, __m512i code) {
+  const auto emit = [&](int i, int m, __mmask16 live, __m512i code) {
     if constexpr (kFake) {
-      const __m512 v = decode(code, g.load_scale(lanes(m), i), g.load_zero(lanes(m), i));
+      const __m512 v = decode(code, g.load_scale(live, i), g.load_zero(live, i));
       if (m == kStep) {
         _mm512_storeu_ps(out_row + i, v);
       } else {
-        _mm512_mask_storeu_ps(out_row + i, lanes(m), v);
+        _mm512_mask_storeu_ps(out_row + i, live, v);
       }
     } else {
       store_packed<kBits>(code, m, codes_row + i * kBits / 8);
     }
   };
-  const int end = i0 + n;
+  const int end = i0 + n, full_end = i0 + (n / kStep) * kStep;
   if (fast) {
-    __mmask16 redo = 0;
-    for (int i = i0; i < end; i += kStep) {
-      const int m = end - i < kStep ? end - i : kStep;
-      const __mmask16 live = lanes(m);
-      const __m512 diff = g.minus_zero(_mm512_maskz_loadu_ps(live, x + i), live, i);
-      step(i, m, fast_code(clamp(_mm512_mul_ps(diff, g.load_rcp(live, i)), vlo, vhi), live, near, &redo));
+    constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    constexpr int kMaxAbs = 0x0b;  // vrangeps: max of |a|, |b|, sign cleared
+    // Quotient of a step; c is never NaN (the clamp maps NaN to lo).
+    const auto quotient = [&](int i, __mmask16 live, __m512 xv) {
+      return clamp(_mm512_mul_ps(g.minus_zero(xv, live, i), g.load_rcp(live, i)), vlo, vhi);
+    };
+    __m512 far = _mm512_setzero_ps();  // largest |c - rint(c)| of the span, lane by lane
+    int i = i0;
+    for (; i < full_end; i += kStep) {
+      const __m512 c = quotient(i, __mmask16(0xffff), _mm512_loadu_ps(x + i));
+      far = _mm512_range_ps(far, _mm512_reduce_ps(c, kRound), kMaxAbs);
+      emit(i, kStep, __mmask16(0xffff), _mm512_cvt_roundps_epi32(c, kRound));
     }
-    if (redo == 0) return;
+    if (i < end) {
+      const __mmask16 live = lanes(end - i);
+      const __m512 c = quotient(i, live, _mm512_maskz_loadu_ps(live, x + i));
+      far = _mm512_mask_range_ps(far, live, far, _mm512_reduce_ps(c, kRound), kMaxAbs);
+      emit(i, end - i, live, _mm512_cvt_roundps_epi32(c, kRound));
+    }
+    if (_mm512_cmp_ps_mask(far, _mm512_set1_ps(0.5f - near), _CMP_GE_OQ) == 0) return;
   }
   __m512 frac;
   for (int i = i0; i < end; i += kStep) {
     const int m = end - i < kStep ? end - i : kStep;
     const __mmask16 live = lanes(m);
     const __m512 diff = g.minus_zero(_mm512_maskz_loadu_ps(live, x + i), live, i);
-    step(i, m, round_code(clamp(_mm512_div_ps(diff, g.load_divisor(live, i)), vlo, vhi), &frac));
+    emit(i, m, live, round_code(clamp(_mm512_div_ps(diff, g.load_divisor(live, i)), vlo, vhi), &frac));
   }
 }
 
