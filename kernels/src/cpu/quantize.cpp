@@ -437,6 +437,8 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
 #if defined(KVSCOPE_QUANT_AVX512)
   // Every group starts a 16-element step (the llava layouts: G = D or G = 32).
   const bool vector_rows = G % quant_avx512::kStep == 0 || ng == 1;
+  // Every group is whole 16-element steps: statistics as quant_avx512::lane_min_max.
+  const bool vector_stats = G % quant_avx512::kStep == 0 && d % quant_avx512::kStep == 0;
 #endif
 #pragma omp parallel if (p.parallel)
   {
@@ -446,15 +448,46 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
     std::vector<float> div(mn.size()), rcp(mn.size());
     std::vector<std::uint8_t> usable(mn.size());
     const float* xr[kRowChunk];
+    std::int64_t offsets[kRowChunk];
     std::vector<std::int32_t> q(static_cast<std::size_t>(d));
     std::vector<std::uint8_t> fields(q.size() + 3);
+#if defined(KVSCOPE_QUANT_AVX512)
+    // 16 lane accumulators per group of the block (vector_stats).
+    std::vector<float> lane_mn(vector_stats ? mn.size() * quant_avx512::kStep : 0), lane_mx(lane_mn.size());
+    const int lo = p.lo, hi = p.hi;
+    const bool symmetric = p.spec.symmetric;
+#endif
     residual_rows<kFake>(p, x, o);
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t blk = 0; blk < blocks; ++blk) {
       const std::int64_t r0 = blk * kRowChunk;
       const int nr = static_cast<int>(std::min<std::int64_t>(kRowChunk, rows - r0));
-      const auto offset = [&](int r) { return p.row_offset((r0 + r) / Tq, (r0 + r) % Tq); };
+      for (int r = 0; r < nr; ++r) offsets[r] = p.row_offset((r0 + r) / Tq, (r0 + r) % Tq);
+      const auto offset = [&](int r) { return offsets[r]; };
+#if defined(KVSCOPE_QUANT_AVX512)
+      if (vector_stats) {
+        for (int r = 0; r < nr; ++r) {
+          float* row_buf = buf.data() + static_cast<std::size_t>(r) * d;
+          float* amn = lane_mn.data() + static_cast<std::size_t>(r) * ng * quant_avx512::kStep;
+          float* amx = lane_mx.data() + static_cast<std::size_t>(r) * ng * quant_avx512::kStep;
+          if constexpr (kT == DType::kF16) {
+            if (quant_avx512::f16_lane_min_max(static_cast<const std::uint16_t*>(x) + offset(r), d, G, row_buf,
+                                               amn, amx)) {
+              xr[r] = row_buf;
+              continue;
+            }
+          }
+          xr[r] = row_as_float<kT>(x, offset(r), d, row_buf);
+          quant_avx512::lane_min_max(xr[r], d, G, amn, amx);
+        }
+        quant_avx512::reduce_groups<false>(lane_mn.data(), nr * ng, mn.data());
+        quant_avx512::reduce_groups<true>(lane_mx.data(), nr * ng, mx.data());
+      }
+#endif
       for (int r = 0; r < nr; ++r) {
+#if defined(KVSCOPE_QUANT_AVX512)
+        if (vector_stats) break;
+#endif
         xr[r] = row_as_float<kT>(x, offset(r), d, buf.data() + static_cast<std::size_t>(r) * d);
         for (int g = 0; g < ng; ++g) {
           const int i0 = g * G, k = r * ng + g;
@@ -473,25 +506,33 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
         if (o.zeros != nullptr) o.zeros[r0 * ng + k] = z[k];
       }
 #endif
+#if defined(KVSCOPE_QUANT_AVX512)
+      if (vector_rows) {
+        // Everything the span loop reads, in locals: the code stores are uint8_t, which
+        // may alias any object, so fields read through p, o or a vector would be
+        // reloaded for every span.
+        const float *sk = s.data(), *zk = z.data(), *dk = div.data(), *rk = rcp.data();
+        const std::uint8_t* uk = usable.data();
+        for (int r = 0; r < nr; ++r) {
+          std::uint8_t* codes = codes_row<kFake>(p, o, r0 + r);
+          float* out = out_row<kFake>(o, offsets[r]);
+          for (int g = 0, i0 = 0; g < ng; ++g, i0 += G) {
+            const int k = r * ng + g;
+            quant_avx512::encode_span<kBits, kFake>(xr[r], i0, std::min(d - i0, G),
+                                                    quant_avx512::SpanGroup(sk[k], zk[k], dk[k], rk[k], symmetric),
+                                                    uk[k] != 0, lo, hi, kNearHalf, codes, out);
+          }
+        }
+        continue;
+      }
+#endif
       for (int r = 0; r < nr; ++r) {
-        const std::int64_t row = r0 + r, off = offset(r);
+        const std::int64_t row = r0 + r, off = offsets[r];
         for (int g = 0; g < ng; ++g) {
           const int i0 = g * G, n = std::min(d - i0, G), k = r * ng + g;
-          const float divisor = quant_math::encode_divisor(s[k]);
-#if defined(KVSCOPE_QUANT_AVX512)
-          if (vector_rows) {
-            quant_avx512::encode_span<kBits, kFake>(
-                xr[r], i0, n, quant_avx512::SpanGroup(s[k], z[k], div[k], rcp[k], p.spec.symmetric),
-                usable[k] != 0, p.lo, p.hi, kNearHalf, codes_row<kFake>(p, o, row), out_row<kFake>(o, off));
-            continue;
-          }
-#endif
-          encode_span(xr[r] + i0, n, divisor, z[k], p.lo, p.hi, q.data() + i0);
+          encode_span(xr[r] + i0, n, quant_math::encode_divisor(s[k]), z[k], p.lo, p.hi, q.data() + i0);
           if constexpr (kFake) decode_span(q.data() + i0, n, s[k], z[k], o.out + off + i0);
         }
-#if defined(KVSCOPE_QUANT_AVX512)
-        if (vector_rows) continue;
-#endif
         emit_row<kBits, kFake>(p, o, row, q.data(), fields.data());
       }
     }

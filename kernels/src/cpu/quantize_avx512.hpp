@@ -144,7 +144,7 @@ template <int kBits, bool kFake, typename Group>
       store_packed<kBits>(code, m, codes_row + i * kBits / 8);
     }
   };
-  const int end = i0 + n, full_end = i0 + (n / kStep) * kStep;
+  const int end = i0 + n, full_end = i0 + (n & ~(kStep - 1));  // n >= 0
   if (fast) {
     constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     constexpr int kMaxAbs = 0x0b;  // vrangeps: max of |a|, |b|, sign cleared
@@ -207,6 +207,88 @@ inline void group_params(const float* mn, const float* mx, int n, int bits, bool
     _mm512_mask_storeu_ps(divisor + i, live, d);
     _mm512_mask_storeu_ps(rcp + i, live, _mm512_div_ps(one, d));
     _mm_mask_storeu_epi8(usable + i, live, _mm_maskz_set1_epi8(ok, 1));
+  }
+}
+
+// Group statistics with the full width of the registers. quantize.cpp's min_max keeps
+// 16 lane accumulators (lane j: min_f / max_f over elements j, j + 16, ... in order)
+// and reduces them by a tree (lane k with lane k + 8, then + 4, + 2, + 1, the lower
+// lane as the first operand). The order matters only for signed zeros and NaN, but the
+// scales and zeros must keep their bits, so the functions below do exactly those
+// operations: the accumulators of a group (G a multiple of 16) row by row, then the
+// trees of 16 groups at once, one vpermt2ps pair and one vminps / vmaxps per level.
+
+// min_f(a, x) = x < a ? x : a is vminps(x, a); max_f(a, x) = vmaxps(x, a).
+inline __m512 min_into(__m512 a, __m512 x) { return _mm512_min_ps(x, a); }
+inline __m512 max_into(__m512 a, __m512 x) { return _mm512_max_ps(x, a); }
+
+// Lane accumulators of the groups of G floats of a row of d (d and G multiples of 16;
+// the last group may be shorter): 16 floats per group g into mn[16 g ...], mx[16 g ...].
+inline void lane_min_max(const float* v, int d, int G, float* mn, float* mx) {
+  for (int i0 = 0, g = 0; i0 < d; i0 += G, ++g) {
+    const int end = i0 + G < d ? i0 + G : d;
+    __m512 a = _mm512_loadu_ps(v + i0), b = a;
+    for (int i = i0 + kStep; i < end; i += kStep) {
+      const __m512 x = _mm512_loadu_ps(v + i);
+      a = min_into(a, x);
+      b = max_into(b, x);
+    }
+    _mm512_storeu_ps(mn + kStep * g, a);
+    _mm512_storeu_ps(mx + kStep * g, b);
+  }
+}
+
+// The same for an fp16 row, converted on the way into dst (one pass over the row).
+// Returns false when the row holds a NaN: vcvtph2ps quiets signalling NaNs, so the
+// caller converts such a row with its bit-exact path and calls lane_min_max.
+inline bool f16_lane_min_max(const std::uint16_t* p, int d, int G, float* dst, float* mn, float* mx) {
+  __mmask16 nan = 0;
+  const auto load = [&](int i) {
+    const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)));
+    nan |= _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    _mm512_storeu_ps(dst + i, f);
+    return f;
+  };
+  for (int i0 = 0, g = 0; i0 < d; i0 += G, ++g) {
+    const int end = i0 + G < d ? i0 + G : d;
+    __m512 a = load(i0), b = a;
+    for (int i = i0 + kStep; i < end; i += kStep) {
+      const __m512 x = load(i);
+      a = min_into(a, x);
+      b = max_into(b, x);
+    }
+    _mm512_storeu_ps(mn + kStep * g, a);
+    _mm512_storeu_ps(mx + kStep * g, b);
+  }
+  return nan == 0;
+}
+
+// Tree level with stride s over groups packed (16 / w) to a register, w lanes each
+// (w = 16, 8, 4, 2): the lower lanes of every group as the first operand, the lanes
+// s above them as the second; the result packs twice as many groups, w / 2 lanes each.
+template <bool kMax>
+inline __m512 tree_level(__m512 lo_groups, __m512 hi_groups, __m512i first, int s) {
+  const __m512 a = _mm512_permutex2var_ps(lo_groups, first, hi_groups);
+  const __m512 x = _mm512_permutex2var_ps(lo_groups, _mm512_add_epi32(first, _mm512_set1_epi32(s)), hi_groups);
+  return kMax ? max_into(a, x) : min_into(a, x);
+}
+
+// out[k] = tree reduction of the 16 lane accumulators acc[16 k ...], k < n.
+template <bool kMax>
+inline void reduce_groups(const float* acc, int n, float* out) {
+  // Lanes of the first operand at each level; the second is s = 8, 4, 2, 1 above.
+  const __m512i l1 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i l2 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i l3 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+  const __m512i l4 = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  for (int k0 = 0; k0 < n; k0 += kStep) {
+    const int m = n - k0 < kStep ? n - k0 : kStep;
+    __m512 v[kStep];
+    for (int k = 0; k < kStep; ++k) v[k] = _mm512_loadu_ps(acc + kStep * (k0 + (k < m ? k : m - 1)));
+    for (int k = 0; k < 8; ++k) v[k] = tree_level<kMax>(v[2 * k], v[2 * k + 1], l1, 8);
+    for (int k = 0; k < 4; ++k) v[k] = tree_level<kMax>(v[2 * k], v[2 * k + 1], l2, 4);
+    for (int k = 0; k < 2; ++k) v[k] = tree_level<kMax>(v[2 * k], v[2 * k + 1], l3, 2);
+    _mm512_mask_storeu_ps(out + k0, lanes(m), tree_level<kMax>(v[0], v[1], l4, 1));
   }
 }
 
