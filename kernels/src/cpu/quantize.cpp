@@ -105,6 +105,9 @@ constexpr std::int64_t kParallelMinElements = std::int64_t{1} << 16;
 // take the rows of one the OS has descheduled (the machines are shared), and a chunk
 // of 16 rows (~2k elements) keeps the scheduling cost negligible.
 constexpr int kRowChunk = 16;
+// Largest per-channel token group (G x head_dim floats, 256 KiB) converted into one
+// block buffer per thread by the AVX-512 path.
+constexpr std::int64_t kChannelBlockFloats = std::int64_t{1} << 16;
 // Independent min/max accumulators per row (one 512-bit register of floats).
 constexpr int kLanes = 16;
 
@@ -603,6 +606,12 @@ void quantize_per_channel(const Plan& p, const void* x, const QuantOut& o) {
   const std::int64_t H = p.shape.num_heads, Tq = p.layout.quant_tokens;
   const std::int64_t G = p.layout.group_size, ngt = p.layout.groups_per_row;
   const int d = p.shape.head_dim;
+#if defined(KVSCOPE_QUANT_AVX512)
+  // A token group of whole 16-channel steps that fits in L2 is converted once into a
+  // block buffer; its statistics then run 16 channels at a time down the rows in
+  // registers, and the codes read the buffer (otherwise each row is converted twice).
+  const bool block_rows = d % quant_avx512::kStep == 0 && G * d <= kChannelBlockFloats;
+#endif
 #pragma omp parallel if (p.parallel)
   {
     const std::size_t n = static_cast<std::size_t>(d);
@@ -610,15 +619,34 @@ void quantize_per_channel(const Plan& p, const void* x, const QuantOut& o) {
     std::vector<std::uint8_t> usable(n);
     std::vector<std::int32_t> q(n);
     std::vector<std::uint8_t> fields(n + 3);
+#if defined(KVSCOPE_QUANT_AVX512)
+    std::vector<float> block(block_rows ? static_cast<std::size_t>(G) * n : 0);  // [G, d]
+#endif
     residual_rows<kFake>(p, x, o);
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t hg = 0; hg < H * ngt; ++hg) {
       const std::int64_t h = hg / ngt, t0 = (hg % ngt) * G, t1 = std::min(Tq, t0 + G);
-      const float* xr = row_as_float<kT>(x, p.row_offset(h, t0), d, buf.data());
-      std::copy(xr, xr + d, mn.begin());
-      std::copy(xr, xr + d, mx.begin());
-      for (std::int64_t t = t0 + 1; t < t1; ++t) {
+      const float* xr = nullptr;
+#if defined(KVSCOPE_QUANT_AVX512)
+      if (block_rows) {
+        for (std::int64_t t = t0; t < t1; ++t) {
+          float* dst = block.data() + (t - t0) * d;
+          xr = row_as_float<kT>(x, p.row_offset(h, t), d, dst);
+          if (xr != dst) std::copy(xr, xr + d, dst);  // fp32 input is not converted
+        }
+        quant_avx512::column_min_max(block.data(), static_cast<int>(t1 - t0), d, mn.data(), mx.data());
+      }
+#endif
+      for (std::int64_t t = t0; t < t1; ++t) {
+#if defined(KVSCOPE_QUANT_AVX512)
+        if (block_rows) break;
+#endif
         xr = row_as_float<kT>(x, p.row_offset(h, t), d, buf.data());
+        if (t == t0) {
+          std::copy(xr, xr + d, mn.begin());
+          std::copy(xr, xr + d, mx.begin());
+          continue;
+        }
         for (int i = 0; i < d; ++i) {
           mn[i] = min_f(mn[i], xr[i]);
           mx[i] = max_f(mx[i], xr[i]);
@@ -643,7 +671,7 @@ void quantize_per_channel(const Plan& p, const void* x, const QuantOut& o) {
         const std::int64_t off = p.row_offset(h, t);
 #if defined(KVSCOPE_QUANT_AVX512)
         quant_avx512::encode_span<kBits, kFake>(
-            row_as_float<kT>(x, off, d, buf.data()), 0, d,
+            block_rows ? block.data() + (t - t0) * d : row_as_float<kT>(x, off, d, buf.data()), 0, d,
             quant_avx512::EachGroup{s.data(), z.data(), div.data(), rcp.data()}, fast, p.lo, p.hi, kNearHalf,
             codes_row<kFake>(p, o, h * Tq + t), out_row<kFake>(o, off));
         continue;

@@ -18,6 +18,7 @@
 #include <immintrin.h>
 #pragma GCC diagnostic pop
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 
@@ -235,6 +236,22 @@ inline void lane_min_max(const float* v, int d, int G, float* mn, float* mx) {
     }
     _mm512_storeu_ps(mn + kStep * g, a);
     _mm512_storeu_ps(mx + kStep * g, b);
+  }
+}
+
+// Per-channel statistics of a [rows, d] block (rows >= 1, d a multiple of 16): mn[i],
+// mx[i] = min_f / max_f of column i in row order, as quantize.cpp's portable loop, 16
+// columns at a time in registers.
+inline void column_min_max(const float* block, int rows, int d, float* mn, float* mx) {
+  for (int i = 0; i < d; i += kStep) {
+    __m512 a = _mm512_loadu_ps(block + i), b = a;
+    for (int t = 1; t < rows; ++t) {
+      const __m512 x = _mm512_loadu_ps(block + static_cast<std::ptrdiff_t>(t) * d + i);
+      a = min_into(a, x);
+      b = max_into(b, x);
+    }
+    _mm512_storeu_ps(mn + i, a);
+    _mm512_storeu_ps(mx + i, b);
   }
 }
 
