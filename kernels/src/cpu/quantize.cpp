@@ -178,6 +178,10 @@ void convert_row(const void* x, DType t, std::int64_t offset, int n, float* dst)
 // kLanes floats as one vector (GCC/Clang vector extension; 512-bit registers with
 // AVX-512, split into narrower ones elsewhere).
 typedef float LaneVec __attribute__((vector_size(kLanes * sizeof(float))));
+// Without AVX-512 GCC warns that passing a 64-byte vector by value has another ABI:
+// these functions are internal to this file and inlined, so there is no ABI to keep
+// (the warning broke -DKVSCOPE_NATIVE_ARCH=OFF builds with KVSCOPE_WERROR).
+#pragma GCC diagnostic ignored "-Wpsabi"
 
 // min_f / max_f lane by lane: x < a ? x : a is one vminps.
 inline LaneVec min_lanes(LaneVec a, LaneVec x) { return x < a ? x : a; }
