@@ -461,7 +461,7 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
 #if defined(KVSCOPE_QUANT_AVX512)
     // 16 lane accumulators per group of the block (vector_stats).
     std::vector<float> lane_mn(vector_stats ? mn.size() * quant_avx512::kStep : 0), lane_mx(lane_mn.size());
-    const int lo = p.lo, hi = p.hi;
+    const quant_avx512::CodeRange range(p.lo, p.hi, kNearHalf);
     const bool symmetric = p.spec.symmetric;
 #endif
     residual_rows<kFake>(p, x, o);
@@ -526,8 +526,8 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
           for (int g = 0, i0 = 0; g < ng; ++g, i0 += G) {
             const int k = r * ng + g;
             quant_avx512::encode_span<kBits, kFake>(xr[r], i0, std::min(d - i0, G),
-                                                    quant_avx512::SpanGroup(sk[k], zk[k], dk[k], rk[k], symmetric),
-                                                    uk[k] != 0, lo, hi, kNearHalf, codes, out);
+                                                    quant_avx512::SpanGroup{sk[k], zk[k], dk[k], rk[k], symmetric},
+                                                    uk[k] != 0, range, codes, out);
           }
         }
         continue;
@@ -560,6 +560,9 @@ void quantize_whole(const Plan& p, const void* x, const QuantOut& o) {
     std::vector<float> buf(static_cast<std::size_t>(d));
     std::vector<std::int32_t> q(buf.size());
     std::vector<std::uint8_t> fields(buf.size() + 3);
+#if defined(KVSCOPE_QUANT_AVX512)
+    const quant_avx512::CodeRange range(p.lo, p.hi, kNearHalf);
+#endif
     residual_rows<kFake>(p, x, o);
 #pragma omp for schedule(dynamic, kRowChunk)
     for (std::int64_t r = 0; r < H * Tq; ++r) {
@@ -591,8 +594,8 @@ void quantize_whole(const Plan& p, const void* x, const QuantOut& o) {
 #if defined(KVSCOPE_QUANT_AVX512)
       const float divisor = quant_math::encode_divisor(s);
       quant_avx512::encode_span<kBits, kFake>(
-          xr, 0, d, quant_avx512::SpanGroup(s, z, divisor, 1.0f / divisor, p.spec.symmetric),
-          reciprocal_usable(divisor), p.lo, p.hi, kNearHalf, codes_row<kFake>(p, o, row),
+          xr, 0, d, quant_avx512::SpanGroup{s, z, divisor, 1.0f / divisor, p.spec.symmetric},
+          reciprocal_usable(divisor), range, codes_row<kFake>(p, o, row),
           out_row<kFake>(o, off));
       continue;
 #endif
@@ -625,6 +628,7 @@ void quantize_per_channel(const Plan& p, const void* x, const QuantOut& o) {
     std::vector<std::uint8_t> fields(n + 3);
 #if defined(KVSCOPE_QUANT_AVX512)
     std::vector<float> block(block_rows ? static_cast<std::size_t>(G) * n : 0);  // [G, d]
+    const quant_avx512::CodeRange range(p.lo, p.hi, kNearHalf);
 #endif
     residual_rows<kFake>(p, x, o);
 #pragma omp for schedule(dynamic, 1)
@@ -676,7 +680,7 @@ void quantize_per_channel(const Plan& p, const void* x, const QuantOut& o) {
 #if defined(KVSCOPE_QUANT_AVX512)
         quant_avx512::encode_span<kBits, kFake>(
             block_rows ? block.data() + (t - t0) * d : row_as_float<kT>(x, off, d, buf.data()), 0, d,
-            quant_avx512::EachGroup{s.data(), z.data(), div.data(), rcp.data()}, fast, p.lo, p.hi, kNearHalf,
+            quant_avx512::EachGroup{s.data(), z.data(), div.data(), rcp.data()}, fast, range,
             codes_row<kFake>(p, o, h * Tq + t), out_row<kFake>(o, off));
         continue;
 #endif

@@ -93,19 +93,16 @@ inline __m512 decode(__m512i code, __m512 scale, __m512 zero) {
 // Per-lane group parameters of one step: one group for the whole span, or one per
 // element (per-channel granularity: [d] arrays indexed by the element).
 struct SpanGroup {
-  SpanGroup(float s, float z, float divisor, float reciprocal, bool symmetric)
-      : scale(_mm512_set1_ps(s)),
-        zero(_mm512_set1_ps(z)),
-        div(_mm512_set1_ps(divisor)),
-        rcp(_mm512_set1_ps(reciprocal)),
-        zero_is_0(symmetric) {}
-  __m512 scale, zero, div, rcp;
+  // Scalars, broadcast where used: the fast path needs only zero and 1 / divisor.
+  float scale, zero, div, rcp;
   bool zero_is_0;  // symmetric: x - 0 is x for every non-NaN x (and NaN encodes as lo either way)
-  __m512 minus_zero(__m512 x, __mmask16, int) const { return zero_is_0 ? x : _mm512_sub_ps(x, zero); }
-  __m512 load_scale(__mmask16, int) const { return scale; }
-  __m512 load_zero(__mmask16, int) const { return zero; }
-  __m512 load_divisor(__mmask16, int) const { return div; }
-  __m512 load_rcp(__mmask16, int) const { return rcp; }
+  __m512 minus_zero(__m512 x, __mmask16, int) const {
+    return zero_is_0 ? x : _mm512_sub_ps(x, _mm512_set1_ps(zero));
+  }
+  __m512 load_scale(__mmask16, int) const { return _mm512_set1_ps(scale); }
+  __m512 load_zero(__mmask16, int) const { return _mm512_set1_ps(zero); }
+  __m512 load_divisor(__mmask16, int) const { return _mm512_set1_ps(div); }
+  __m512 load_rcp(__mmask16, int) const { return _mm512_set1_ps(rcp); }
 };
 struct EachGroup {
   const float *scale, *zero, *divisor, *rcp;
@@ -128,11 +125,20 @@ struct EachGroup {
 // instruction per step). If that reaches 0.5 - near, some lane lies within near of a
 // half-integer (a tie included) and the whole span is recomputed with the division, as
 // the portable loop does. Full steps run without lane masks.
+// The clamp bounds and the redo limit as vectors, built once per kernel call.
+struct CodeRange {
+  CodeRange(int lo, int hi, float near)
+      : lo(_mm512_set1_ps(static_cast<float>(lo))),
+        hi(_mm512_set1_ps(static_cast<float>(hi))),
+        far_limit(_mm512_set1_ps(0.5f - near)) {}
+  __m512 lo, hi, far_limit;
+};
+
 template <int kBits, bool kFake, typename Group>
 [[gnu::always_inline]] inline void encode_span(const float* x, int i0, int n, const Group& g, bool fast,
-                                               int lo, int hi, float near, std::uint8_t* codes_row,
+                                               const CodeRange& range, std::uint8_t* codes_row,
                                                float* out_row) {
-  const __m512 vlo = _mm512_set1_ps(static_cast<float>(lo)), vhi = _mm512_set1_ps(static_cast<float>(hi));
+  const __m512 vlo = range.lo, vhi = range.hi;
   const auto emit = [&](int i, int m, __mmask16 live, __m512i code) {
     if constexpr (kFake) {
       const __m512 v = decode(code, g.load_scale(live, i), g.load_zero(live, i));
@@ -166,7 +172,7 @@ template <int kBits, bool kFake, typename Group>
       far = _mm512_mask_range_ps(far, live, far, _mm512_reduce_ps(c, kRound), kMaxAbs);
       emit(i, end - i, live, _mm512_cvt_roundps_epi32(c, kRound));
     }
-    if (_mm512_cmp_ps_mask(far, _mm512_set1_ps(0.5f - near), _CMP_GE_OQ) == 0) return;
+    if (_mm512_cmp_ps_mask(far, range.far_limit, _CMP_GE_OQ) == 0) return;
   }
   __m512 frac;
   for (int i = i0; i < end; i += kStep) {
