@@ -478,8 +478,8 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
           float* amn = lane_mn.data() + static_cast<std::size_t>(r) * ng * quant_avx512::kStep;
           float* amx = lane_mx.data() + static_cast<std::size_t>(r) * ng * quant_avx512::kStep;
           if constexpr (kT == DType::kF16) {
-            if (quant_avx512::f16_lane_min_max(static_cast<const std::uint16_t*>(x) + offset(r), d, G, row_buf,
-                                               amn, amx)) {
+            if (quant_avx512::f16_lane_min_max(static_cast<const std::uint16_t*>(x) + offset(r), d, G,
+                                               row_buf, amn, amx)) {
               xr[r] = row_buf;
               continue;
             }
@@ -525,9 +525,10 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
           float* out = out_row<kFake>(o, offsets[r]);
           for (int g = 0, i0 = 0; g < ng; ++g, i0 += G) {
             const int k = r * ng + g;
-            quant_avx512::encode_span<kBits, kFake>(xr[r], i0, std::min(d - i0, G),
-                                                    quant_avx512::SpanGroup{sk[k], zk[k], dk[k], rk[k], symmetric},
-                                                    uk[k] != 0, range, codes, out);
+            quant_avx512::encode_span<kBits, kFake>(
+                xr[r], i0, std::min(d - i0, G),
+                quant_avx512::SpanGroup{sk[k], zk[k], dk[k], rk[k], symmetric}, uk[k] != 0, range, codes,
+                out);
           }
         }
         continue;
@@ -595,8 +596,7 @@ void quantize_whole(const Plan& p, const void* x, const QuantOut& o) {
       const float divisor = quant_math::encode_divisor(s);
       quant_avx512::encode_span<kBits, kFake>(
           xr, 0, d, quant_avx512::SpanGroup{s, z, divisor, 1.0f / divisor, p.spec.symmetric},
-          reciprocal_usable(divisor), range, codes_row<kFake>(p, o, row),
-          out_row<kFake>(o, off));
+          reciprocal_usable(divisor), range, codes_row<kFake>(p, o, row), out_row<kFake>(o, off));
       continue;
 #endif
       encode_span(xr, d, quant_math::encode_divisor(s), z, p.lo, p.hi, q.data());

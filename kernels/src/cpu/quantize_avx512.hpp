@@ -292,7 +292,8 @@ inline bool f16_lane_min_max(const std::uint16_t* p, int d, int G, float* dst, f
 template <bool kMax>
 inline __m512 tree_level(__m512 lo_groups, __m512 hi_groups, __m512i first, int s) {
   const __m512 a = _mm512_permutex2var_ps(lo_groups, first, hi_groups);
-  const __m512 x = _mm512_permutex2var_ps(lo_groups, _mm512_add_epi32(first, _mm512_set1_epi32(s)), hi_groups);
+  const __m512 x =
+      _mm512_permutex2var_ps(lo_groups, _mm512_add_epi32(first, _mm512_set1_epi32(s)), hi_groups);
   return kMax ? max_into(a, x) : min_into(a, x);
 }
 
