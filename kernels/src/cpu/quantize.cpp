@@ -105,6 +105,9 @@ constexpr std::int64_t kParallelMinElements = std::int64_t{1} << 16;
 // take the rows of one the OS has descheduled (the machines are shared), and a chunk
 // of 16 rows (~2k elements) keeps the scheduling cost negligible.
 constexpr int kRowChunk = 16;
+// Largest per-channel token group (G x head_dim floats, 256 KiB) converted into one
+// block buffer per thread by the AVX-512 path.
+constexpr std::int64_t kChannelBlockFloats = std::int64_t{1} << 16;
 // Independent min/max accumulators per row (one 512-bit register of floats).
 constexpr int kLanes = 16;
 
@@ -175,6 +178,10 @@ void convert_row(const void* x, DType t, std::int64_t offset, int n, float* dst)
 // kLanes floats as one vector (GCC/Clang vector extension; 512-bit registers with
 // AVX-512, split into narrower ones elsewhere).
 typedef float LaneVec __attribute__((vector_size(kLanes * sizeof(float))));
+// Without AVX-512 GCC warns that passing a 64-byte vector by value has another ABI:
+// these functions are internal to this file and inlined, so there is no ABI to keep
+// (the warning broke -DKVSCOPE_NATIVE_ARCH=OFF builds with KVSCOPE_WERROR).
+#pragma GCC diagnostic ignored "-Wpsabi"
 
 // min_f / max_f lane by lane: x < a ? x : a is one vminps.
 inline LaneVec min_lanes(LaneVec a, LaneVec x) { return x < a ? x : a; }
@@ -437,6 +444,8 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
 #if defined(KVSCOPE_QUANT_AVX512)
   // Every group starts a 16-element step (the llava layouts: G = D or G = 32).
   const bool vector_rows = G % quant_avx512::kStep == 0 || ng == 1;
+  // Every group is whole 16-element steps: statistics as quant_avx512::lane_min_max.
+  const bool vector_stats = G % quant_avx512::kStep == 0 && d % quant_avx512::kStep == 0;
 #endif
 #pragma omp parallel if (p.parallel)
   {
@@ -446,15 +455,46 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
     std::vector<float> div(mn.size()), rcp(mn.size());
     std::vector<std::uint8_t> usable(mn.size());
     const float* xr[kRowChunk];
+    std::int64_t offsets[kRowChunk];
     std::vector<std::int32_t> q(static_cast<std::size_t>(d));
     std::vector<std::uint8_t> fields(q.size() + 3);
+#if defined(KVSCOPE_QUANT_AVX512)
+    // 16 lane accumulators per group of the block (vector_stats).
+    std::vector<float> lane_mn(vector_stats ? mn.size() * quant_avx512::kStep : 0), lane_mx(lane_mn.size());
+    const quant_avx512::CodeRange range(p.lo, p.hi, kNearHalf);
+    const bool symmetric = p.spec.symmetric;
+#endif
     residual_rows<kFake>(p, x, o);
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t blk = 0; blk < blocks; ++blk) {
       const std::int64_t r0 = blk * kRowChunk;
       const int nr = static_cast<int>(std::min<std::int64_t>(kRowChunk, rows - r0));
-      const auto offset = [&](int r) { return p.row_offset((r0 + r) / Tq, (r0 + r) % Tq); };
+      for (int r = 0; r < nr; ++r) offsets[r] = p.row_offset((r0 + r) / Tq, (r0 + r) % Tq);
+      const auto offset = [&](int r) { return offsets[r]; };
+#if defined(KVSCOPE_QUANT_AVX512)
+      if (vector_stats) {
+        for (int r = 0; r < nr; ++r) {
+          float* row_buf = buf.data() + static_cast<std::size_t>(r) * d;
+          float* amn = lane_mn.data() + static_cast<std::size_t>(r) * ng * quant_avx512::kStep;
+          float* amx = lane_mx.data() + static_cast<std::size_t>(r) * ng * quant_avx512::kStep;
+          if constexpr (kT == DType::kF16) {
+            if (quant_avx512::f16_lane_min_max(static_cast<const std::uint16_t*>(x) + offset(r), d, G,
+                                               row_buf, amn, amx)) {
+              xr[r] = row_buf;
+              continue;
+            }
+          }
+          xr[r] = row_as_float<kT>(x, offset(r), d, row_buf);
+          quant_avx512::lane_min_max(xr[r], d, G, amn, amx);
+        }
+        quant_avx512::reduce_groups<false>(lane_mn.data(), nr * ng, mn.data());
+        quant_avx512::reduce_groups<true>(lane_mx.data(), nr * ng, mx.data());
+      }
+#endif
       for (int r = 0; r < nr; ++r) {
+#if defined(KVSCOPE_QUANT_AVX512)
+        if (vector_stats) break;
+#endif
         xr[r] = row_as_float<kT>(x, offset(r), d, buf.data() + static_cast<std::size_t>(r) * d);
         for (int g = 0; g < ng; ++g) {
           const int i0 = g * G, k = r * ng + g;
@@ -473,25 +513,34 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
         if (o.zeros != nullptr) o.zeros[r0 * ng + k] = z[k];
       }
 #endif
+#if defined(KVSCOPE_QUANT_AVX512)
+      if (vector_rows) {
+        // Everything the span loop reads, in locals: the code stores are uint8_t, which
+        // may alias any object, so fields read through p, o or a vector would be
+        // reloaded for every span.
+        const float *sk = s.data(), *zk = z.data(), *dk = div.data(), *rk = rcp.data();
+        const std::uint8_t* uk = usable.data();
+        for (int r = 0; r < nr; ++r) {
+          std::uint8_t* codes = codes_row<kFake>(p, o, r0 + r);
+          float* out = out_row<kFake>(o, offsets[r]);
+          for (int g = 0, i0 = 0; g < ng; ++g, i0 += G) {
+            const int k = r * ng + g;
+            quant_avx512::encode_span<kBits, kFake>(
+                xr[r], i0, std::min(d - i0, G),
+                quant_avx512::SpanGroup{sk[k], zk[k], dk[k], rk[k], symmetric}, uk[k] != 0, range, codes,
+                out);
+          }
+        }
+        continue;
+      }
+#endif
       for (int r = 0; r < nr; ++r) {
-        const std::int64_t row = r0 + r, off = offset(r);
+        const std::int64_t row = r0 + r, off = offsets[r];
         for (int g = 0; g < ng; ++g) {
           const int i0 = g * G, n = std::min(d - i0, G), k = r * ng + g;
-          const float divisor = quant_math::encode_divisor(s[k]);
-#if defined(KVSCOPE_QUANT_AVX512)
-          if (vector_rows) {
-            quant_avx512::encode_span<kBits, kFake>(
-                xr[r], i0, n, quant_avx512::SpanGroup(s[k], z[k], div[k], rcp[k], p.spec.symmetric),
-                usable[k] != 0, p.lo, p.hi, kNearHalf, codes_row<kFake>(p, o, row), out_row<kFake>(o, off));
-            continue;
-          }
-#endif
-          encode_span(xr[r] + i0, n, divisor, z[k], p.lo, p.hi, q.data() + i0);
+          encode_span(xr[r] + i0, n, quant_math::encode_divisor(s[k]), z[k], p.lo, p.hi, q.data() + i0);
           if constexpr (kFake) decode_span(q.data() + i0, n, s[k], z[k], o.out + off + i0);
         }
-#if defined(KVSCOPE_QUANT_AVX512)
-        if (vector_rows) continue;
-#endif
         emit_row<kBits, kFake>(p, o, row, q.data(), fields.data());
       }
     }
@@ -512,6 +561,9 @@ void quantize_whole(const Plan& p, const void* x, const QuantOut& o) {
     std::vector<float> buf(static_cast<std::size_t>(d));
     std::vector<std::int32_t> q(buf.size());
     std::vector<std::uint8_t> fields(buf.size() + 3);
+#if defined(KVSCOPE_QUANT_AVX512)
+    const quant_avx512::CodeRange range(p.lo, p.hi, kNearHalf);
+#endif
     residual_rows<kFake>(p, x, o);
 #pragma omp for schedule(dynamic, kRowChunk)
     for (std::int64_t r = 0; r < H * Tq; ++r) {
@@ -543,9 +595,8 @@ void quantize_whole(const Plan& p, const void* x, const QuantOut& o) {
 #if defined(KVSCOPE_QUANT_AVX512)
       const float divisor = quant_math::encode_divisor(s);
       quant_avx512::encode_span<kBits, kFake>(
-          xr, 0, d, quant_avx512::SpanGroup(s, z, divisor, 1.0f / divisor, p.spec.symmetric),
-          reciprocal_usable(divisor), p.lo, p.hi, kNearHalf, codes_row<kFake>(p, o, row),
-          out_row<kFake>(o, off));
+          xr, 0, d, quant_avx512::SpanGroup{s, z, divisor, 1.0f / divisor, p.spec.symmetric},
+          reciprocal_usable(divisor), range, codes_row<kFake>(p, o, row), out_row<kFake>(o, off));
       continue;
 #endif
       encode_span(xr, d, quant_math::encode_divisor(s), z, p.lo, p.hi, q.data());
@@ -562,6 +613,12 @@ void quantize_per_channel(const Plan& p, const void* x, const QuantOut& o) {
   const std::int64_t H = p.shape.num_heads, Tq = p.layout.quant_tokens;
   const std::int64_t G = p.layout.group_size, ngt = p.layout.groups_per_row;
   const int d = p.shape.head_dim;
+#if defined(KVSCOPE_QUANT_AVX512)
+  // A token group of whole 16-channel steps that fits in L2 is converted once into a
+  // block buffer; its statistics then run 16 channels at a time down the rows in
+  // registers, and the codes read the buffer (otherwise each row is converted twice).
+  const bool block_rows = d % quant_avx512::kStep == 0 && G * d <= kChannelBlockFloats;
+#endif
 #pragma omp parallel if (p.parallel)
   {
     const std::size_t n = static_cast<std::size_t>(d);
@@ -569,15 +626,35 @@ void quantize_per_channel(const Plan& p, const void* x, const QuantOut& o) {
     std::vector<std::uint8_t> usable(n);
     std::vector<std::int32_t> q(n);
     std::vector<std::uint8_t> fields(n + 3);
+#if defined(KVSCOPE_QUANT_AVX512)
+    std::vector<float> block(block_rows ? static_cast<std::size_t>(G) * n : 0);  // [G, d]
+    const quant_avx512::CodeRange range(p.lo, p.hi, kNearHalf);
+#endif
     residual_rows<kFake>(p, x, o);
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t hg = 0; hg < H * ngt; ++hg) {
       const std::int64_t h = hg / ngt, t0 = (hg % ngt) * G, t1 = std::min(Tq, t0 + G);
-      const float* xr = row_as_float<kT>(x, p.row_offset(h, t0), d, buf.data());
-      std::copy(xr, xr + d, mn.begin());
-      std::copy(xr, xr + d, mx.begin());
-      for (std::int64_t t = t0 + 1; t < t1; ++t) {
+      const float* xr = nullptr;
+#if defined(KVSCOPE_QUANT_AVX512)
+      if (block_rows) {
+        for (std::int64_t t = t0; t < t1; ++t) {
+          float* dst = block.data() + (t - t0) * d;
+          xr = row_as_float<kT>(x, p.row_offset(h, t), d, dst);
+          if (xr != dst) std::copy(xr, xr + d, dst);  // fp32 input is not converted
+        }
+        quant_avx512::column_min_max(block.data(), static_cast<int>(t1 - t0), d, mn.data(), mx.data());
+      }
+#endif
+      for (std::int64_t t = t0; t < t1; ++t) {
+#if defined(KVSCOPE_QUANT_AVX512)
+        if (block_rows) break;
+#endif
         xr = row_as_float<kT>(x, p.row_offset(h, t), d, buf.data());
+        if (t == t0) {
+          std::copy(xr, xr + d, mn.begin());
+          std::copy(xr, xr + d, mx.begin());
+          continue;
+        }
         for (int i = 0; i < d; ++i) {
           mn[i] = min_f(mn[i], xr[i]);
           mx[i] = max_f(mx[i], xr[i]);
@@ -602,8 +679,8 @@ void quantize_per_channel(const Plan& p, const void* x, const QuantOut& o) {
         const std::int64_t off = p.row_offset(h, t);
 #if defined(KVSCOPE_QUANT_AVX512)
         quant_avx512::encode_span<kBits, kFake>(
-            row_as_float<kT>(x, off, d, buf.data()), 0, d,
-            quant_avx512::EachGroup{s.data(), z.data(), div.data(), rcp.data()}, fast, p.lo, p.hi, kNearHalf,
+            block_rows ? block.data() + (t - t0) * d : row_as_float<kT>(x, off, d, buf.data()), 0, d,
+            quant_avx512::EachGroup{s.data(), z.data(), div.data(), rcp.data()}, fast, range,
             codes_row<kFake>(p, o, h * Tq + t), out_row<kFake>(o, off));
         continue;
 #endif

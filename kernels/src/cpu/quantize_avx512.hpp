@@ -18,6 +18,7 @@
 #include <immintrin.h>
 #pragma GCC diagnostic pop
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 
@@ -42,26 +43,6 @@ inline __m512i round_code(__m512 c, __m512* frac) {
   const __mmask16 down = _mm512_cmp_ps_mask(*frac, _mm512_set1_ps(-0.5f), _CMP_LE_OQ);
   const __m512i one = _mm512_set1_epi32(1);
   return _mm512_mask_sub_epi32(_mm512_mask_add_epi32(i, up, i, one), down, i, one);
-}
-
-// The reciprocal path's code and its redo flag. Away from half-integers rounding
-// half away from zero is trunc(c + copysign(0.5, c)): u = c +- 0.5 is rounded to
-// float with an error <= 2^-17 (|u| <= 255.5), so when u is at least near_half
-// (1/8192) from every integer, trunc(u) is the correctly rounded code of c, and c is
-// at least near_half - 2^-17 > 4.6e-5 from every half-integer, which is what makes the
-// reciprocal quotient's code equal the division's (quantize.cpp's encode_span). The
-// flagged lanes are recomputed with the division and round_code; a flag raised where
-// it was not needed only costs time, so the codes are exactly the division's.
-inline __m512i fast_code(__m512 c, __mmask16 live, float near_half, __mmask16* redo) {
-  // (c & sign) | 0.5 = copysign(0.5, c), one vpternlogd.
-  const __m512 half = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(
-      _mm512_castps_si512(c), _mm512_set1_epi32(static_cast<int>(0x80000000u)), _mm512_set1_epi32(0x3f000000),
-      0xea));  // (a & b) | c
-  const __m512 u = _mm512_add_ps(c, half);
-  // vreduceps: u - rint(u), exact.
-  const __m512 dist = _mm512_abs_ps(_mm512_reduce_ps(u, _MM_FROUND_TO_NEAREST_INT));
-  *redo |= _mm512_mask_cmp_ps_mask(live, dist, _mm512_set1_ps(near_half), _CMP_LT_OQ);
-  return _mm512_cvttps_epi32(u);
 }
 
 // Writes the packed fields of the first n codes (lowest bits first, the unused high
@@ -112,19 +93,16 @@ inline __m512 decode(__m512i code, __m512 scale, __m512 zero) {
 // Per-lane group parameters of one step: one group for the whole span, or one per
 // element (per-channel granularity: [d] arrays indexed by the element).
 struct SpanGroup {
-  SpanGroup(float s, float z, float divisor, float reciprocal, bool symmetric)
-      : scale(_mm512_set1_ps(s)),
-        zero(_mm512_set1_ps(z)),
-        div(_mm512_set1_ps(divisor)),
-        rcp(_mm512_set1_ps(reciprocal)),
-        zero_is_0(symmetric) {}
-  __m512 scale, zero, div, rcp;
+  // Scalars, broadcast where used: the fast path needs only zero and 1 / divisor.
+  float scale, zero, div, rcp;
   bool zero_is_0;  // symmetric: x - 0 is x for every non-NaN x (and NaN encodes as lo either way)
-  __m512 minus_zero(__m512 x, __mmask16, int) const { return zero_is_0 ? x : _mm512_sub_ps(x, zero); }
-  __m512 load_scale(__mmask16, int) const { return scale; }
-  __m512 load_zero(__mmask16, int) const { return zero; }
-  __m512 load_divisor(__mmask16, int) const { return div; }
-  __m512 load_rcp(__mmask16, int) const { return rcp; }
+  __m512 minus_zero(__m512 x, __mmask16, int) const {
+    return zero_is_0 ? x : _mm512_sub_ps(x, _mm512_set1_ps(zero));
+  }
+  __m512 load_scale(__mmask16, int) const { return _mm512_set1_ps(scale); }
+  __m512 load_zero(__mmask16, int) const { return _mm512_set1_ps(zero); }
+  __m512 load_divisor(__mmask16, int) const { return _mm512_set1_ps(div); }
+  __m512 load_rcp(__mmask16, int) const { return _mm512_set1_ps(rcp); }
 };
 struct EachGroup {
   const float *scale, *zero, *divisor, *rcp;
@@ -140,44 +118,68 @@ struct EachGroup {
 // Elements [i0, i0 + n) of row x, i0 % 16 == 0: packed codes into codes_row (the
 // row's bytes, quantize) or decoded floats into out_row (fake quant). Codes are
 // bit for bit quant_math::encode_with_divisor: when fast (every divisor passes
-// reciprocal_usable) they are first computed as (x - zero) * (1 / divisor), exact
-// away from half-integers (see quantize.cpp's encode_span); if fast_code flagged any
-// lane of the span, the whole span is recomputed with the division, as the portable
-// loop does. The flag is tested once per span, not in the step loop.
+// reciprocal_usable) they are first computed from c = clamp((x - zero) * (1 / divisor)),
+// exact away from half-integers (see quantize.cpp's encode_span): the code is c rounded
+// to nearest (vcvtps2dq; it differs from rounding half away from zero only on a tie),
+// and the span keeps the largest |c - rint(c)| (vreduceps, exact; vrangeps, one
+// instruction per step). If that reaches 0.5 - near, some lane lies within near of a
+// half-integer (a tie included) and the whole span is recomputed with the division, as
+// the portable loop does. Full steps run without lane masks.
+// The clamp bounds and the redo limit as vectors, built once per kernel call.
+struct CodeRange {
+  CodeRange(int lo, int hi, float near)
+      : lo(_mm512_set1_ps(static_cast<float>(lo))),
+        hi(_mm512_set1_ps(static_cast<float>(hi))),
+        far_limit(_mm512_set1_ps(0.5f - near)) {}
+  __m512 lo, hi, far_limit;
+};
+
 template <int kBits, bool kFake, typename Group>
 [[gnu::always_inline]] inline void encode_span(const float* x, int i0, int n, const Group& g, bool fast,
-                                               int lo, int hi, float near, std::uint8_t* codes_row,
+                                               const CodeRange& range, std::uint8_t* codes_row,
                                                float* out_row) {
-  const __m512 vlo = _mm512_set1_ps(static_cast<float>(lo)), vhi = _mm512_set1_ps(static_cast<float>(hi));
-  const auto step = [&](int i, int m, __m512i code) {
+  const __m512 vlo = range.lo, vhi = range.hi;
+  const auto emit = [&](int i, int m, __mmask16 live, __m512i code) {
     if constexpr (kFake) {
-      const __m512 v = decode(code, g.load_scale(lanes(m), i), g.load_zero(lanes(m), i));
+      const __m512 v = decode(code, g.load_scale(live, i), g.load_zero(live, i));
       if (m == kStep) {
         _mm512_storeu_ps(out_row + i, v);
       } else {
-        _mm512_mask_storeu_ps(out_row + i, lanes(m), v);
+        _mm512_mask_storeu_ps(out_row + i, live, v);
       }
     } else {
       store_packed<kBits>(code, m, codes_row + i * kBits / 8);
     }
   };
-  const int end = i0 + n;
+  const int end = i0 + n, full_end = i0 + (n & ~(kStep - 1));  // n >= 0
   if (fast) {
-    __mmask16 redo = 0;
-    for (int i = i0; i < end; i += kStep) {
-      const int m = end - i < kStep ? end - i : kStep;
-      const __mmask16 live = lanes(m);
-      const __m512 diff = g.minus_zero(_mm512_maskz_loadu_ps(live, x + i), live, i);
-      step(i, m, fast_code(clamp(_mm512_mul_ps(diff, g.load_rcp(live, i)), vlo, vhi), live, near, &redo));
+    constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    constexpr int kMaxAbs = 0x0b;  // vrangeps: max of |a|, |b|, sign cleared
+    // Quotient of a step; c is never NaN (the clamp maps NaN to lo).
+    const auto quotient = [&](int i, __mmask16 live, __m512 xv) {
+      return clamp(_mm512_mul_ps(g.minus_zero(xv, live, i), g.load_rcp(live, i)), vlo, vhi);
+    };
+    __m512 far = _mm512_setzero_ps();  // largest |c - rint(c)| of the span, lane by lane
+    int i = i0;
+    for (; i < full_end; i += kStep) {
+      const __m512 c = quotient(i, __mmask16(0xffff), _mm512_loadu_ps(x + i));
+      far = _mm512_range_ps(far, _mm512_reduce_ps(c, kRound), kMaxAbs);
+      emit(i, kStep, __mmask16(0xffff), _mm512_cvt_roundps_epi32(c, kRound));
     }
-    if (redo == 0) return;
+    if (i < end) {
+      const __mmask16 live = lanes(end - i);
+      const __m512 c = quotient(i, live, _mm512_maskz_loadu_ps(live, x + i));
+      far = _mm512_mask_range_ps(far, live, far, _mm512_reduce_ps(c, kRound), kMaxAbs);
+      emit(i, end - i, live, _mm512_cvt_roundps_epi32(c, kRound));
+    }
+    if (_mm512_cmp_ps_mask(far, range.far_limit, _CMP_GE_OQ) == 0) return;
   }
   __m512 frac;
   for (int i = i0; i < end; i += kStep) {
     const int m = end - i < kStep ? end - i : kStep;
     const __mmask16 live = lanes(m);
     const __m512 diff = g.minus_zero(_mm512_maskz_loadu_ps(live, x + i), live, i);
-    step(i, m, round_code(clamp(_mm512_div_ps(diff, g.load_divisor(live, i)), vlo, vhi), &frac));
+    emit(i, m, live, round_code(clamp(_mm512_div_ps(diff, g.load_divisor(live, i)), vlo, vhi), &frac));
   }
 }
 
@@ -212,6 +214,105 @@ inline void group_params(const float* mn, const float* mx, int n, int bits, bool
     _mm512_mask_storeu_ps(divisor + i, live, d);
     _mm512_mask_storeu_ps(rcp + i, live, _mm512_div_ps(one, d));
     _mm_mask_storeu_epi8(usable + i, live, _mm_maskz_set1_epi8(ok, 1));
+  }
+}
+
+// Group statistics with the full width of the registers. quantize.cpp's min_max keeps
+// 16 lane accumulators (lane j: min_f / max_f over elements j, j + 16, ... in order)
+// and reduces them by a tree (lane k with lane k + 8, then + 4, + 2, + 1, the lower
+// lane as the first operand). The order matters only for signed zeros and NaN, but the
+// scales and zeros must keep their bits, so the functions below do exactly those
+// operations: the accumulators of a group (G a multiple of 16) row by row, then the
+// trees of 16 groups at once, one vpermt2ps pair and one vminps / vmaxps per level.
+
+// min_f(a, x) = x < a ? x : a is vminps(x, a); max_f(a, x) = vmaxps(x, a).
+inline __m512 min_into(__m512 a, __m512 x) { return _mm512_min_ps(x, a); }
+inline __m512 max_into(__m512 a, __m512 x) { return _mm512_max_ps(x, a); }
+
+// Lane accumulators of the groups of G floats of a row of d (d and G multiples of 16;
+// the last group may be shorter): 16 floats per group g into mn[16 g ...], mx[16 g ...].
+inline void lane_min_max(const float* v, int d, int G, float* mn, float* mx) {
+  for (int i0 = 0, g = 0; i0 < d; i0 += G, ++g) {
+    const int end = i0 + G < d ? i0 + G : d;
+    __m512 a = _mm512_loadu_ps(v + i0), b = a;
+    for (int i = i0 + kStep; i < end; i += kStep) {
+      const __m512 x = _mm512_loadu_ps(v + i);
+      a = min_into(a, x);
+      b = max_into(b, x);
+    }
+    _mm512_storeu_ps(mn + kStep * g, a);
+    _mm512_storeu_ps(mx + kStep * g, b);
+  }
+}
+
+// Per-channel statistics of a [rows, d] block (rows >= 1, d a multiple of 16): mn[i],
+// mx[i] = min_f / max_f of column i in row order, as quantize.cpp's portable loop, 16
+// columns at a time in registers.
+inline void column_min_max(const float* block, int rows, int d, float* mn, float* mx) {
+  for (int i = 0; i < d; i += kStep) {
+    __m512 a = _mm512_loadu_ps(block + i), b = a;
+    for (int t = 1; t < rows; ++t) {
+      const __m512 x = _mm512_loadu_ps(block + static_cast<std::ptrdiff_t>(t) * d + i);
+      a = min_into(a, x);
+      b = max_into(b, x);
+    }
+    _mm512_storeu_ps(mn + i, a);
+    _mm512_storeu_ps(mx + i, b);
+  }
+}
+
+// The same for an fp16 row, converted on the way into dst (one pass over the row).
+// Returns false when the row holds a NaN: vcvtph2ps quiets signalling NaNs, so the
+// caller converts such a row with its bit-exact path and calls lane_min_max.
+inline bool f16_lane_min_max(const std::uint16_t* p, int d, int G, float* dst, float* mn, float* mx) {
+  __mmask16 nan = 0;
+  const auto load = [&](int i) {
+    const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)));
+    nan |= _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    _mm512_storeu_ps(dst + i, f);
+    return f;
+  };
+  for (int i0 = 0, g = 0; i0 < d; i0 += G, ++g) {
+    const int end = i0 + G < d ? i0 + G : d;
+    __m512 a = load(i0), b = a;
+    for (int i = i0 + kStep; i < end; i += kStep) {
+      const __m512 x = load(i);
+      a = min_into(a, x);
+      b = max_into(b, x);
+    }
+    _mm512_storeu_ps(mn + kStep * g, a);
+    _mm512_storeu_ps(mx + kStep * g, b);
+  }
+  return nan == 0;
+}
+
+// Tree level with stride s over groups packed (16 / w) to a register, w lanes each
+// (w = 16, 8, 4, 2): the lower lanes of every group as the first operand, the lanes
+// s above them as the second; the result packs twice as many groups, w / 2 lanes each.
+template <bool kMax>
+inline __m512 tree_level(__m512 lo_groups, __m512 hi_groups, __m512i first, int s) {
+  const __m512 a = _mm512_permutex2var_ps(lo_groups, first, hi_groups);
+  const __m512 x =
+      _mm512_permutex2var_ps(lo_groups, _mm512_add_epi32(first, _mm512_set1_epi32(s)), hi_groups);
+  return kMax ? max_into(a, x) : min_into(a, x);
+}
+
+// out[k] = tree reduction of the 16 lane accumulators acc[16 k ...], k < n.
+template <bool kMax>
+inline void reduce_groups(const float* acc, int n, float* out) {
+  // Lanes of the first operand at each level; the second is s = 8, 4, 2, 1 above.
+  const __m512i l1 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i l2 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i l3 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+  const __m512i l4 = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  for (int k0 = 0; k0 < n; k0 += kStep) {
+    const int m = n - k0 < kStep ? n - k0 : kStep;
+    __m512 v[kStep];
+    for (int k = 0; k < kStep; ++k) v[k] = _mm512_loadu_ps(acc + kStep * (k0 + (k < m ? k : m - 1)));
+    for (int k = 0; k < 8; ++k) v[k] = tree_level<kMax>(v[2 * k], v[2 * k + 1], l1, 8);
+    for (int k = 0; k < 4; ++k) v[k] = tree_level<kMax>(v[2 * k], v[2 * k + 1], l2, 4);
+    for (int k = 0; k < 2; ++k) v[k] = tree_level<kMax>(v[2 * k], v[2 * k + 1], l3, 2);
+    _mm512_mask_storeu_ps(out + k0, lanes(m), tree_level<kMax>(v[0], v[1], l4, 1));
   }
 }
 
