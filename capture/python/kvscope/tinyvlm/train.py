@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from .dataset import FAMILIES, NOUNS, NUM_PATCHES, NUMBERS, Sample, train_sample
 from .evaluate import evaluate
 from .model import TinyVlm, TinyVlmConfig, VisionConfig, load_model, save_model
-from .scene import COLORS, SHAPES, make_scene
+from .scene import COLORS, SHAPES, scene_objects
 from .vocab import PAD, Vocab
 
 IGNORE = -100
@@ -51,17 +51,26 @@ def init_weights(model: TinyVlm, seed: int) -> None:
             layer.mlp.down_proj.weight.mul_(1.0 / math.sqrt(2 * len(model.model.layers)))
 
 
+def image_start(i: int) -> int:
+    """Prompt position of the first vision token of image i (<bos>, then <img> 64 patches </img> each)."""
+    return 2 + i * (NUM_PATCHES + 2)
+
+
+def cell_patches(row: int, col: int) -> List[int]:
+    """Patch indices (pr * 8 + pc) of the 2x2 patches covering grid cell (row, col)."""
+    return [(2 * row + dr) * 8 + 2 * col + dc for dr in (0, 1) for dc in (0, 1)]
+
+
 def patch_targets(vocab: Vocab, image_seed: int, position: bool = False) -> List[torch.Tensor]:
     """Auxiliary targets of the 64 vision positions of an image, each [64] long: the colour word and the
     shape word of the object in the patch's grid cell (<pad> for background patches) and, with
     `position`, the row word and the column word of the patch's cell (one..four, background included)."""
     color = torch.full((NUM_PATCHES,), PAD, dtype=torch.long)
     shape = torch.full((NUM_PATCHES,), PAD, dtype=torch.long)
-    for o in make_scene(image_seed).objects:
-        for pr in (2 * o.row, 2 * o.row + 1):
-            for pc in (2 * o.col, 2 * o.col + 1):
-                color[pr * 8 + pc] = vocab.ids[COLORS[o.color]]
-                shape[pr * 8 + pc] = vocab.ids[SHAPES[o.shape]]
+    for o in scene_objects(image_seed):
+        cells = cell_patches(o.row, o.col)
+        color[cells] = vocab.ids[COLORS[o.color]]
+        shape[cells] = vocab.ids[SHAPES[o.shape]]
     if not position:
         return [color, shape]
     cell = torch.arange(NUM_PATCHES) // 16, (torch.arange(NUM_PATCHES) % 8) // 2
@@ -96,10 +105,9 @@ def grounding_keys(sample: Sample) -> List[int]:
     else:
         return []
     for i, seed in enumerate(sample.image_seeds):
-        for o in make_scene(seed).objects:
+        for o in scene_objects(seed):
             if want(o):
-                start = 2 + i * (NUM_PATCHES + 2)
-                return [start + (2 * o.row + dr) * 8 + 2 * o.col + dc for dr in (0, 1) for dc in (0, 1)]
+                return [image_start(i) + n for n in cell_patches(o.row, o.col)]
     raise ValueError(f"no object answers {sample.question!r} in images {sample.image_seeds}")
 
 
@@ -133,7 +141,7 @@ def collate(samples: List[Sample], vocab: Optional[Vocab] = None, position: bool
         tgt[b, p - 1:p - 1 + len(s.answer_ids)] = torch.tensor(s.answer_ids)
         if vocab is not None:
             for i, seed in enumerate(s.image_seeds):
-                start = 2 + i * (NUM_PATCHES + 2)
+                start = image_start(i)
                 for group, t in zip(vision_aux, patch_targets(vocab, seed, position)):
                     group[b, start:start + NUM_PATCHES] = t
             binding[b, :p] = binding_targets(vocab, s.prompt_ids)
