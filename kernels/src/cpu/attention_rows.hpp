@@ -9,21 +9,12 @@
 
 #include <cstdint>
 
-#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define KVSCOPE_ROWS_AVX512 1
-// GCC 12's intrinsics trip -Wmaybe-uninitialized once inlined (GCC bug 105593).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
-#endif
-
-// After the guarded <immintrin.h> above, which row_math.hpp includes too.
 #include "row_math.hpp"
+#include "simd.hpp"
 
 namespace kvscope::kernels::cpu::rowmath {
 
-#if defined(KVSCOPE_ROWS_AVX512)
+#if defined(KVSCOPE_CPU_AVX512)
 // exp_vec on 16 lanes (same reduction and polynomial, with FMAs).
 inline __m512 exp16(__m512 x) {
   const __m512 xc = _mm512_min_ps(_mm512_set1_ps(88.0f), x);  // std::min(x, 88.0f)
@@ -70,7 +61,7 @@ inline void softmax_numerators(const float* z, int n, float m, float* e, double*
                                const std::uint8_t* modality, double* cm) {
   int k = 0;
   double s = 0.0, se = 0.0, c[4] = {0.0, 0.0, 0.0, 0.0};
-#if defined(KVSCOPE_ROWS_AVX512)
+#if defined(KVSCOPE_CPU_AVX512)
   __m512d s_lo = _mm512_setzero_pd(), s_hi = s_lo, se_lo = s_lo, se_hi = s_lo;
   __m512d c_lo[4] = {s_lo, s_lo, s_lo, s_lo}, c_hi[4] = {s_lo, s_lo, s_lo, s_lo};
   const __m512 vm = _mm512_set1_ps(m);
@@ -118,7 +109,7 @@ inline void modality_sums(const float* p, const std::uint8_t* modality, const st
                           double* mass, double* surv) {
   int t = 0;
   double ms[4] = {0.0, 0.0, 0.0, 0.0}, ss[4] = {0.0, 0.0, 0.0, 0.0};
-#if defined(KVSCOPE_ROWS_AVX512)
+#if defined(KVSCOPE_CPU_AVX512)
   __m512d vm[4], vs[4];
   for (int j = 0; j < 4; ++j) vm[j] = vs[j] = _mm512_setzero_pd();
   for (; t + 8 <= T; t += 8) {
@@ -154,7 +145,7 @@ inline double kl_row(const float* am, const float* z, int S, float m, double sur
                      double log_zc) {
   int k = 0;
   double kl = 0.0;
-#if defined(KVSCOPE_ROWS_AVX512)
+#if defined(KVSCOPE_CPU_AVX512)
   __m512d acc = _mm512_setzero_pd();
   const __m512d vs = _mm512_set1_pd(survived), vls = _mm512_set1_pd(log_surv), vlz = _mm512_set1_pd(log_zc);
   const __m256 vm = _mm256_set1_ps(m);

@@ -9,9 +9,8 @@
 #include "kvscope/kernels/attention_stats.hpp"
 
 #include <cblas.h>
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
+
+#include "simd.hpp"
 
 #include <algorithm>
 #include <bit>

@@ -8,13 +8,7 @@
 // every compressed cache. Math: docs/kernels/evaluate.md.
 #include "kvscope/kernels/evaluate.hpp"
 
-// First, so that its guarded <immintrin.h> is the one that takes effect.
-#include <cblas.h>
-
 #include "attention_rows.hpp"
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <bit>
@@ -30,7 +24,6 @@
 namespace kvscope::kernels::cpu {
 namespace {
 
-using rowmath::exp_vec;
 using rowmath::set_blas_single_threaded;
 using rowmath::to_float;
 

@@ -2,7 +2,6 @@
 // The scalar math lives in quant_math (quantize.hpp), shared with the CUDA backend.
 #include "kvscope/kernels/quantize.hpp"
 
-// First, so that its guarded <immintrin.h> is the one that takes effect.
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -14,10 +13,7 @@
 
 #include "kvscope/kernels/nvtx.hpp"
 #include "quantize_avx512.hpp"
-
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
+#include "simd.hpp"
 
 namespace kvscope::kernels {
 
@@ -141,7 +137,7 @@ const float* row_as_float(const void* x, std::int64_t offset, int n, float* __re
   } else {
     const std::uint16_t* __restrict p = static_cast<const std::uint16_t*>(x) + offset;
     int i = 0;
-#if defined(KVSCOPE_QUANT_AVX512)
+#if defined(KVSCOPE_CPU_AVX512)
     i = quant_avx512::f16_to_float_steps(p, n, buf);
 #endif
 #if defined(__F16C__)
@@ -413,7 +409,7 @@ inline void emit_row(const Plan& p, const QuantOut& o, std::int64_t row, const s
   if constexpr (!kFake) pack_row<kBits>(q, p.shape.head_dim, fields, o.codes + row * p.layout.row_bytes);
 }
 
-#if defined(KVSCOPE_QUANT_AVX512)
+#if defined(KVSCOPE_CPU_AVX512)
 // Destinations of row `row` (element offset `off`) for the AVX-512 pipeline, which
 // writes packed codes (quantize) or dequantized floats (fake quant) directly.
 template <bool kFake>
@@ -441,7 +437,7 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
   const int d = p.shape.head_dim, G = static_cast<int>(p.layout.group_size);
   const int ng = static_cast<int>(p.layout.groups_per_row);
   const std::int64_t blocks = (rows + kRowChunk - 1) / kRowChunk;
-#if defined(KVSCOPE_QUANT_AVX512)
+#if defined(KVSCOPE_CPU_AVX512)
   // Every group starts a 16-element step (the llava layouts: G = D or G = 32).
   const bool vector_rows = G % quant_avx512::kStep == 0 || ng == 1;
   // Every group is whole 16-element steps: statistics as quant_avx512::lane_min_max.
@@ -458,7 +454,7 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
     std::int64_t offsets[kRowChunk];
     std::vector<std::int32_t> q(static_cast<std::size_t>(d));
     std::vector<std::uint8_t> fields(q.size() + 3);
-#if defined(KVSCOPE_QUANT_AVX512)
+#if defined(KVSCOPE_CPU_AVX512)
     // 16 lane accumulators per group of the block (vector_stats).
     std::vector<float> lane_mn(vector_stats ? mn.size() * quant_avx512::kStep : 0), lane_mx(lane_mn.size());
     const quant_avx512::CodeRange range(p.lo, p.hi, kNearHalf);
@@ -470,21 +466,20 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
       const std::int64_t r0 = blk * kRowChunk;
       const int nr = static_cast<int>(std::min<std::int64_t>(kRowChunk, rows - r0));
       for (int r = 0; r < nr; ++r) offsets[r] = p.row_offset((r0 + r) / Tq, (r0 + r) % Tq);
-      const auto offset = [&](int r) { return offsets[r]; };
-#if defined(KVSCOPE_QUANT_AVX512)
+#if defined(KVSCOPE_CPU_AVX512)
       if (vector_stats) {
         for (int r = 0; r < nr; ++r) {
           float* row_buf = buf.data() + static_cast<std::size_t>(r) * d;
           float* amn = lane_mn.data() + static_cast<std::size_t>(r) * ng * quant_avx512::kStep;
           float* amx = lane_mx.data() + static_cast<std::size_t>(r) * ng * quant_avx512::kStep;
           if constexpr (kT == DType::kF16) {
-            if (quant_avx512::f16_lane_min_max(static_cast<const std::uint16_t*>(x) + offset(r), d, G,
+            if (quant_avx512::f16_lane_min_max(static_cast<const std::uint16_t*>(x) + offsets[r], d, G,
                                                row_buf, amn, amx)) {
               xr[r] = row_buf;
               continue;
             }
           }
-          xr[r] = row_as_float<kT>(x, offset(r), d, row_buf);
+          xr[r] = row_as_float<kT>(x, offsets[r], d, row_buf);
           quant_avx512::lane_min_max(xr[r], d, G, amn, amx);
         }
         quant_avx512::reduce_groups<false>(lane_mn.data(), nr * ng, mn.data());
@@ -492,16 +487,16 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
       }
 #endif
       for (int r = 0; r < nr; ++r) {
-#if defined(KVSCOPE_QUANT_AVX512)
+#if defined(KVSCOPE_CPU_AVX512)
         if (vector_stats) break;
 #endif
-        xr[r] = row_as_float<kT>(x, offset(r), d, buf.data() + static_cast<std::size_t>(r) * d);
+        xr[r] = row_as_float<kT>(x, offsets[r], d, buf.data() + static_cast<std::size_t>(r) * d);
         for (int g = 0; g < ng; ++g) {
           const int i0 = g * G, k = r * ng + g;
           min_max(xr[r] + i0, std::min(d - i0, G), &mn[k], &mx[k]);
         }
       }
-#if defined(KVSCOPE_QUANT_AVX512)
+#if defined(KVSCOPE_CPU_AVX512)
       quant_avx512::group_params(mn.data(), mx.data(), nr * ng, kBits, p.spec.symmetric, s.data(), z.data(),
                                  div.data(), rcp.data(), usable.data());
       std::copy(s.begin(), s.begin() + nr * ng, o.scales + r0 * ng);
@@ -513,7 +508,7 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
         if (o.zeros != nullptr) o.zeros[r0 * ng + k] = z[k];
       }
 #endif
-#if defined(KVSCOPE_QUANT_AVX512)
+#if defined(KVSCOPE_CPU_AVX512)
       if (vector_rows) {
         // Everything the span loop reads, in locals: the code stores are uint8_t, which
         // may alias any object, so fields read through p, o or a vector would be
@@ -561,7 +556,7 @@ void quantize_whole(const Plan& p, const void* x, const QuantOut& o) {
     std::vector<float> buf(static_cast<std::size_t>(d));
     std::vector<std::int32_t> q(buf.size());
     std::vector<std::uint8_t> fields(buf.size() + 3);
-#if defined(KVSCOPE_QUANT_AVX512)
+#if defined(KVSCOPE_CPU_AVX512)
     const quant_avx512::CodeRange range(p.lo, p.hi, kNearHalf);
 #endif
     residual_rows<kFake>(p, x, o);
@@ -592,7 +587,7 @@ void quantize_whole(const Plan& p, const void* x, const QuantOut& o) {
       const std::int64_t g = per_tensor ? 0 : row / Tq, off = p.row_offset(row / Tq, row % Tq);
       const float s = o.scales[g], z = o.zeros != nullptr ? o.zeros[g] : 0.0f;
       const float* xr = row_as_float<kT>(x, off, d, buf.data());
-#if defined(KVSCOPE_QUANT_AVX512)
+#if defined(KVSCOPE_CPU_AVX512)
       const float divisor = quant_math::encode_divisor(s);
       quant_avx512::encode_span<kBits, kFake>(
           xr, 0, d, quant_avx512::SpanGroup{s, z, divisor, 1.0f / divisor, p.spec.symmetric},
@@ -613,7 +608,7 @@ void quantize_per_channel(const Plan& p, const void* x, const QuantOut& o) {
   const std::int64_t H = p.shape.num_heads, Tq = p.layout.quant_tokens;
   const std::int64_t G = p.layout.group_size, ngt = p.layout.groups_per_row;
   const int d = p.shape.head_dim;
-#if defined(KVSCOPE_QUANT_AVX512)
+#if defined(KVSCOPE_CPU_AVX512)
   // A token group of whole 16-channel steps that fits in L2 is converted once into a
   // block buffer; its statistics then run 16 channels at a time down the rows in
   // registers, and the codes read the buffer (otherwise each row is converted twice).
@@ -626,7 +621,7 @@ void quantize_per_channel(const Plan& p, const void* x, const QuantOut& o) {
     std::vector<std::uint8_t> usable(n);
     std::vector<std::int32_t> q(n);
     std::vector<std::uint8_t> fields(n + 3);
-#if defined(KVSCOPE_QUANT_AVX512)
+#if defined(KVSCOPE_CPU_AVX512)
     std::vector<float> block(block_rows ? static_cast<std::size_t>(G) * n : 0);  // [G, d]
     const quant_avx512::CodeRange range(p.lo, p.hi, kNearHalf);
 #endif
@@ -635,7 +630,7 @@ void quantize_per_channel(const Plan& p, const void* x, const QuantOut& o) {
     for (std::int64_t hg = 0; hg < H * ngt; ++hg) {
       const std::int64_t h = hg / ngt, t0 = (hg % ngt) * G, t1 = std::min(Tq, t0 + G);
       const float* xr = nullptr;
-#if defined(KVSCOPE_QUANT_AVX512)
+#if defined(KVSCOPE_CPU_AVX512)
       if (block_rows) {
         for (std::int64_t t = t0; t < t1; ++t) {
           float* dst = block.data() + (t - t0) * d;
@@ -646,7 +641,7 @@ void quantize_per_channel(const Plan& p, const void* x, const QuantOut& o) {
       }
 #endif
       for (std::int64_t t = t0; t < t1; ++t) {
-#if defined(KVSCOPE_QUANT_AVX512)
+#if defined(KVSCOPE_CPU_AVX512)
         if (block_rows) break;
 #endif
         xr = row_as_float<kT>(x, p.row_offset(h, t), d, buf.data());
@@ -661,7 +656,7 @@ void quantize_per_channel(const Plan& p, const void* x, const QuantOut& o) {
         }
       }
       bool fast = true;
-#if defined(KVSCOPE_QUANT_AVX512)
+#if defined(KVSCOPE_CPU_AVX512)
       quant_avx512::group_params(mn.data(), mx.data(), d, kBits, p.spec.symmetric, s.data(), z.data(),
                                  div.data(), rcp.data(), usable.data());
       for (int i = 0; i < d; ++i) fast = fast && usable[i] != 0;
@@ -677,7 +672,7 @@ void quantize_per_channel(const Plan& p, const void* x, const QuantOut& o) {
       if (o.zeros != nullptr) std::copy(z.begin(), z.end(), o.zeros + hg * d);
       for (std::int64_t t = t0; t < t1; ++t) {
         const std::int64_t off = p.row_offset(h, t);
-#if defined(KVSCOPE_QUANT_AVX512)
+#if defined(KVSCOPE_CPU_AVX512)
         quant_avx512::encode_span<kBits, kFake>(
             block_rows ? block.data() + (t - t0) * d : row_as_float<kT>(x, off, d, buf.data()), 0, d,
             quant_avx512::EachGroup{s.data(), z.data(), div.data(), rcp.data()}, fast, range,

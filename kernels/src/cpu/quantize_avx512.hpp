@@ -7,16 +7,9 @@
 // group layouts that do not start every group on a 16-element boundary.
 #pragma once
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
-#define KVSCOPE_QUANT_AVX512 1
+#include "simd.hpp"
 
-// GCC 12's AVX-512 intrinsics pass an uninitialised pass-through operand
-// (_mm512_undefined_ps) that -Wmaybe-uninitialized reports once they are inlined at
-// -O3 (GCC bug 105593, fixed in 12.3); silenced for the intrinsics header only.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
+#if defined(KVSCOPE_CPU_AVX512)
 
 #include <cstddef>
 #include <cstdint>
@@ -190,7 +183,7 @@ template <int kBits, bool kFake, typename Group>
 // by one, their divisions were a large part of the time.
 inline void group_params(const float* mn, const float* mx, int n, int bits, bool symmetric, float* scale,
                          float* zero, float* divisor, float* rcp, std::uint8_t* usable) {
-  const int levels = symmetric ? (1 << (bits - 1)) - 1 : (1 << bits) - 1;  // quant_math::code_max
+  const int levels = quant_math::code_max(bits, symmetric);
   const __m512 vlevels = _mm512_set1_ps(static_cast<float>(levels)), one = _mm512_set1_ps(1.0f);
   for (int i = 0; i < n; i += kStep) {
     const __mmask16 live = lanes(n - i);

@@ -4,9 +4,8 @@
 #pragma once
 
 #include <cblas.h>
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
+
+#include "simd.hpp"
 
 #include <algorithm>
 #include <bit>
