@@ -411,6 +411,12 @@ void LayerData::prepare_float_statistics(const PolicySpec& p) {
   if (p.allocator == AllocatorKind::kUniCache) modality_similarity();
 }
 
+void LayerData::prepare_and_release(const std::vector<const PolicySpec*>& policies) {
+  for (const PolicySpec* p : policies) prepare_prefill_statistics(*p);
+  release_prefill();
+  for (const PolicySpec* p : policies) prepare_float_statistics(*p);
+}
+
 void LayerData::prepare(const PolicySpec& p) {
   prepare_prefill_statistics(p);
   prepare_float_statistics(p);

@@ -49,7 +49,10 @@ std::vector<bool> pareto_front(const std::vector<ParetoPoint>& points) {
   return front;
 }
 
+namespace {
+// The candidate of a point: (bytes_ratio(), total.quality.output_error).
 ParetoPoint pareto_point(const PointResult& r) { return {r.bytes_ratio(), r.total.quality.output_error}; }
+}  // namespace
 
 void mark_pareto(std::vector<PointResult>& points) {
   mark_pareto(points, [](const PointResult&) { return true; });

@@ -4,6 +4,7 @@
 #include <array>
 #include <chrono>
 #include <cmath>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 
@@ -285,10 +286,9 @@ void run_oracle(const trace::TraceReader& reader, const OracleOptions& o, TraceC
   std::vector<std::string> ignored;
   for (int l = 0; l < ctx.geometry.num_layers; ++l) {
     LayerData layer(l, reader.read_layer(l), reader.read_decode_layer(l), ctx);
-    // As in run_sweep: the trace tensors' statistics, then the float32 copy in their place.
-    for (const auto& s : specs) layer.prepare_prefill_statistics(s);
-    layer.release_prefill();
-    for (const auto& s : specs) layer.prepare_float_statistics(s);
+    std::vector<const PolicySpec*> policies;
+    for (const auto& s : specs) policies.push_back(&s);
+    layer.prepare_and_release(policies);
     for (std::size_t i = 0; i < specs.size(); ++i) {
       out.points[first + i].layers.push_back(run_policy_on_layer(specs[i], 0.5, layer, ctx, ignored));
     }
@@ -356,15 +356,13 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
       }
     }
     // Statistics first (serially, each kernel parallel inside), then the points of this layer
-    // in parallel: each point only reads the layer's caches and writes its own result. Those of
-    // the trace tensors come before the float32 copy, which release_prefill() builds while
-    // dropping them: the layer is never held whole in both dtypes (issue 4, docs/perf.md).
-    const PolicySpec oracle = oracle_policy(options.oracle, ctx);
-    for (const auto& pt : points) layer.prepare_prefill_statistics(pt.policy);
-    if (options.oracle.enabled) layer.prepare_prefill_statistics(oracle);
-    layer.release_prefill();  // the points read only the float32 copy and the statistics from here on
-    for (const auto& pt : points) layer.prepare_float_statistics(pt.policy);
-    if (options.oracle.enabled) layer.prepare_float_statistics(oracle);
+    // in parallel: each point only reads the layer's caches (the float32 copy and the statistics
+    // after prepare_and_release) and writes its own result.
+    std::vector<const PolicySpec*> policies;
+    for (const auto& pt : points) policies.push_back(&pt.policy);
+    std::optional<PolicySpec> oracle;
+    if (options.oracle.enabled) policies.push_back(&oracle.emplace(oracle_policy(options.oracle, ctx)));
+    layer.prepare_and_release(policies);
     std::vector<std::string> errors(points.size());
 #pragma omp parallel for schedule(dynamic)
     for (std::size_t i = 0; i < points.size(); ++i) {

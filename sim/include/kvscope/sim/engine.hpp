@@ -70,6 +70,9 @@ class LayerData {
   // attention of the decode steps, decode-mode key norms, modality similarity).
   void prepare_prefill_statistics(const PolicySpec& policy);
   void prepare_float_statistics(const PolicySpec& policy);
+  // For a sweep: the prefill statistics of every policy, release_prefill(), then their float
+  // statistics, so that the layer is never held whole in both dtypes (issue 4, docs/perf.md).
+  void prepare_and_release(const std::vector<const PolicySpec*>& policies);
   // Full-cache attention of the evaluation (decode) queries, computed once per layer and
   // shared by every policy point: probabilities [Hq, S, T], outputs [Hq, S, D], entropy, mass.
   const kernels::FullAttention& full_attention(bool proportional_attention);

@@ -23,10 +23,7 @@ bool dominates(const ParetoPoint& a, const ParetoPoint& b);
 // the front and never dominates another. The result does not depend on the input order.
 std::vector<bool> pareto_front(const std::vector<ParetoPoint>& points);
 
-// The candidate of a point: (bytes_ratio(), total.quality.output_error).
-ParetoPoint pareto_point(const PointResult& point);
-
-// Sets PointResult::pareto for every point from pareto_point().
+// Sets PointResult::pareto for every point from its (bytes_ratio(), total.quality.output_error).
 void mark_pareto(std::vector<PointResult>& points);
 // The same with the front taken over the points for which candidate(point) is true (the others
 // are never on it), in place: a sweep's results are large, so they are not copied to a subset.
