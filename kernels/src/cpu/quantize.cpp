@@ -97,9 +97,13 @@ using quant_math::min_f;
 
 // Below this many elements the OpenMP fork/join costs more than it saves.
 constexpr std::int64_t kParallelMinElements = std::int64_t{1} << 16;
-// Code rows per dynamically scheduled chunk. Dynamic scheduling lets a running thread
-// take the rows of one the OS has descheduled (the machines are shared), and a chunk
-// of 16 rows (~2k elements) keeps the scheduling cost negligible.
+// Code rows per block of the per-token loop (~2k elements: statistics, parameters and
+// codes of a block while it is in L1). The row loops are scheduled `guided`: each
+// thread takes long runs of consecutive blocks, so it reads one sequential stream that
+// the hardware prefetchers follow, and the shrinking chunks at the end still let a
+// running thread take the rows of one the OS has descheduled (the machines are
+// shared). With `dynamic, 1` the two threads alternated 4 KiB blocks and a 2-thread
+// int8 quantize of a 64 MiB layer ran no faster than 1 thread (docs/perf.md).
 constexpr int kRowChunk = 16;
 // Largest per-channel token group (G x head_dim floats, 256 KiB) converted into one
 // block buffer per thread by the AVX-512 path.
@@ -108,6 +112,16 @@ constexpr std::int64_t kChannelBlockFloats = std::int64_t{1} << 16;
 constexpr int kLanes = 16;
 
 // ---------------------------------------------------------------- conversion
+
+// Asks for the `bytes` bytes at `p` to be brought into the cache (a hint: it never
+// faults, so it may point past the end of the input). The row loops call it for the
+// rows of the next block while they encode the current one, which overlaps the reads
+// from memory with the encoding: the statistics pass would otherwise wait for each
+// block's loads, with the cores' prefetchers only a few lines ahead.
+inline void prefetch_bytes(const void* p, std::size_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (std::size_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, 3);
+}
 
 // Same value as half_to_float for every bit pattern (tested, NaN payloads included),
 // written branch-free so that the row loop vectorizes.
@@ -437,11 +451,22 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
   const int d = p.shape.head_dim, G = static_cast<int>(p.layout.group_size);
   const int ng = static_cast<int>(p.layout.groups_per_row);
   const std::int64_t blocks = (rows + kRowChunk - 1) / kRowChunk;
+  // Row r of the next block is (mostly) next_block elements after row r of this one.
+  const char* xb = static_cast<const char*>(x);
+  constexpr std::size_t esz = kT == DType::kF32 ? 4 : 2;
+  const std::int64_t next_block = std::int64_t{kRowChunk} * d;
+  const std::size_t row_bytes = static_cast<std::size_t>(d) * esz;
 #if defined(KVSCOPE_CPU_AVX512)
   // Every group starts a 16-element step (the llava layouts: G = D or G = 32).
   const bool vector_rows = G % quant_avx512::kStep == 0 || ng == 1;
   // Every group is whole 16-element steps: statistics as quant_avx512::lane_min_max.
   const bool vector_stats = G % quant_avx512::kStep == 0 && d % quant_avx512::kStep == 0;
+  // Several groups per row, each whole steps (KIVI values: G = 32 of 128): a row whose
+  // groups all take the reciprocal is encoded in one span, group_of[step] giving each
+  // step's group, rather than a short span per group.
+  const bool step_rows = G % quant_avx512::kStep == 0 && ng > 1;
+  std::vector<int> group_of(step_rows ? static_cast<std::size_t>((d + quant_avx512::kStep - 1) / quant_avx512::kStep) : 0);
+  for (std::size_t j = 0; j < group_of.size(); ++j) group_of[j] = static_cast<int>(j) * quant_avx512::kStep / G;
 #endif
 #pragma omp parallel if (p.parallel)
   {
@@ -461,7 +486,7 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
     const bool symmetric = p.spec.symmetric;
 #endif
     residual_rows<kFake>(p, x, o);
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(guided)
     for (std::int64_t blk = 0; blk < blocks; ++blk) {
       const std::int64_t r0 = blk * kRowChunk;
       const int nr = static_cast<int>(std::min<std::int64_t>(kRowChunk, rows - r0));
@@ -473,8 +498,8 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
           float* amn = lane_mn.data() + static_cast<std::size_t>(r) * ng * quant_avx512::kStep;
           float* amx = lane_mx.data() + static_cast<std::size_t>(r) * ng * quant_avx512::kStep;
           if constexpr (kT == DType::kF16) {
-            if (quant_avx512::f16_lane_min_max(static_cast<const std::uint16_t*>(x) + offsets[r], d, G,
-                                               row_buf, amn, amx)) {
+            if (quant_avx512::f16_lane_min_max_any(static_cast<const std::uint16_t*>(x) + offsets[r], d, G,
+                                                   row_buf, amn, amx)) {
               xr[r] = row_buf;
               continue;
             }
@@ -516,8 +541,31 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
         const float *sk = s.data(), *zk = z.data(), *dk = div.data(), *rk = rcp.data();
         const std::uint8_t* uk = usable.data();
         for (int r = 0; r < nr; ++r) {
+          prefetch_bytes(xb + (offsets[r] + next_block) * esz, row_bytes);
           std::uint8_t* codes = codes_row<kFake>(p, o, r0 + r);
           float* out = out_row<kFake>(o, offsets[r]);
+          if (step_rows) {
+            const int k0 = r * ng;
+            bool fast = true;
+            for (int g = 0; g < ng; ++g) fast = fast && uk[k0 + g] != 0;
+            if (fast) {
+              const auto encode_row = [&](auto spg) {
+                quant_avx512::encode_span<kBits, kFake>(
+                    xr[r], 0, d,
+                    quant_avx512::StepGroups<decltype(spg)::value>{sk + k0, zk + k0, dk + k0, rk + k0,
+                                                                   group_of.data()},
+                    true, range, codes, out);
+              };
+              if (G == 2 * quant_avx512::kStep) {
+                encode_row(std::integral_constant<int, 2>{});
+              } else if (G == 4 * quant_avx512::kStep) {
+                encode_row(std::integral_constant<int, 4>{});
+              } else {
+                encode_row(std::integral_constant<int, 0>{});
+              }
+              continue;
+            }
+          }
           for (int g = 0, i0 = 0; g < ng; ++g, i0 += G) {
             const int k = r * ng + g;
             quant_avx512::encode_span<kBits, kFake>(
@@ -531,6 +579,7 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
 #endif
       for (int r = 0; r < nr; ++r) {
         const std::int64_t row = r0 + r, off = offsets[r];
+        prefetch_bytes(xb + (off + next_block) * esz, row_bytes);
         for (int g = 0; g < ng; ++g) {
           const int i0 = g * G, n = std::min(d - i0, G), k = r * ng + g;
           encode_span(xr[r] + i0, n, quant_math::encode_divisor(s[k]), z[k], p.lo, p.hi, q.data() + i0);
@@ -560,7 +609,7 @@ void quantize_whole(const Plan& p, const void* x, const QuantOut& o) {
     const quant_avx512::CodeRange range(p.lo, p.hi, kNearHalf);
 #endif
     residual_rows<kFake>(p, x, o);
-#pragma omp for schedule(dynamic, kRowChunk)
+#pragma omp for schedule(guided, kRowChunk)
     for (std::int64_t r = 0; r < H * Tq; ++r) {
       const float* xr = row_as_float<kT>(x, p.row_offset(r / Tq, r % Tq), d, buf.data());
       min_max(xr, d, &row_mn[static_cast<std::size_t>(r)], &row_mx[static_cast<std::size_t>(r)]);
@@ -582,7 +631,7 @@ void quantize_whole(const Plan& p, const void* x, const QuantOut& o) {
         if (o.zeros != nullptr) o.zeros[g] = z;
       }
     }  // implicit barrier: every thread sees the scales
-#pragma omp for schedule(dynamic, kRowChunk)
+#pragma omp for schedule(guided, kRowChunk)
     for (std::int64_t row = 0; row < H * Tq; ++row) {
       const std::int64_t g = per_tensor ? 0 : row / Tq, off = p.row_offset(row / Tq, row % Tq);
       const float s = o.scales[g], z = o.zeros != nullptr ? o.zeros[g] : 0.0f;
@@ -608,6 +657,11 @@ void quantize_per_channel(const Plan& p, const void* x, const QuantOut& o) {
   const std::int64_t H = p.shape.num_heads, Tq = p.layout.quant_tokens;
   const std::int64_t G = p.layout.group_size, ngt = p.layout.groups_per_row;
   const int d = p.shape.head_dim;
+  // Row t of the next token group (of the same head) is next_group elements on.
+  const char* xb = static_cast<const char*>(x);
+  constexpr std::size_t esz = kT == DType::kF32 ? 4 : 2;
+  const std::int64_t next_group = G * d;
+  const std::size_t row_bytes = static_cast<std::size_t>(d) * esz;
 #if defined(KVSCOPE_CPU_AVX512)
   // A token group of whole 16-channel steps that fits in L2 is converted once into a
   // block buffer; its statistics then run 16 channels at a time down the rows in
@@ -626,7 +680,7 @@ void quantize_per_channel(const Plan& p, const void* x, const QuantOut& o) {
     const quant_avx512::CodeRange range(p.lo, p.hi, kNearHalf);
 #endif
     residual_rows<kFake>(p, x, o);
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(guided)
     for (std::int64_t hg = 0; hg < H * ngt; ++hg) {
       const std::int64_t h = hg / ngt, t0 = (hg % ngt) * G, t1 = std::min(Tq, t0 + G);
       const float* xr = nullptr;
@@ -672,6 +726,7 @@ void quantize_per_channel(const Plan& p, const void* x, const QuantOut& o) {
       if (o.zeros != nullptr) std::copy(z.begin(), z.end(), o.zeros + hg * d);
       for (std::int64_t t = t0; t < t1; ++t) {
         const std::int64_t off = p.row_offset(h, t);
+        prefetch_bytes(xb + (off + next_group) * esz, row_bytes);
 #if defined(KVSCOPE_CPU_AVX512)
         quant_avx512::encode_span<kBits, kFake>(
             block_rows ? block.data() + (t - t0) * d : row_as_float<kT>(x, off, d, buf.data()), 0, d,
@@ -745,7 +800,7 @@ void dequantize_rows(const Plan& p, const QuantConstBuffers& in, float* out) {
         convert_row(in.residual, p.shape.dtype, (h * R + t) * d, d, out + p.row_offset(h, Tq + t));
       }
     }
-#pragma omp for schedule(dynamic, kRowChunk)
+#pragma omp for schedule(guided, kRowChunk)
     for (std::int64_t row = 0; row < H * Tq; ++row) {
       const std::int64_t h = row / Tq, t = row % Tq;
       float* o = out + p.row_offset(h, t);

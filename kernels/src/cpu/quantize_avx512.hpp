@@ -78,6 +78,35 @@ inline void store_packed(__m512i code, int n, std::uint8_t* out) {
   }
 }
 
+// Four full steps of codes (64 elements from a multiple of 16 on) packed into
+// 64 * kBits / 8 bytes at out, the same bytes as four store_packed calls with far fewer
+// instructions (two vpmovdb per 16 codes were the hottest part of the encoding on
+// Zen 4). Codes lie in [lo, hi], so vpackssdw keeps them; the field mask on the words
+// makes every value an unsigned byte, so vpackuswb keeps them too. 128-bit lane L of
+// the packed bytes then holds elements 4L..4L+3 of c0, c1, c2 and c3 in its four
+// dwords; `order` (pack4_order) puts the dwords in element order. The 2- and 4-bit
+// fields of consecutive elements are then folded into bytes by multiply-adds as in
+// store_packed.
+inline __m512i pack4_order() { return _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15); }
+
+template <int kBits>
+inline void store_packed4(__m512i c0, __m512i c1, __m512i c2, __m512i c3, __m512i order, std::uint8_t* out) {
+  const __m512i mask = _mm512_set1_epi16(static_cast<short>((1 << kBits) - 1));
+  const __m512i w01 = _mm512_and_si512(_mm512_packs_epi32(c0, c1), mask);
+  const __m512i w23 = _mm512_and_si512(_mm512_packs_epi32(c2, c3), mask);
+  const __m512i fields = _mm512_permutexvar_epi32(order, _mm512_packus_epi16(w01, w23));
+  if constexpr (kBits == 8) {
+    _mm512_storeu_si512(out, fields);
+  } else if constexpr (kBits == 4) {
+    const __m512i bytes = _mm512_maddubs_epi16(fields, _mm512_set1_epi16(0x1001));  // (1, 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi16_epi8(bytes));
+  } else {
+    const __m512i pairs = _mm512_maddubs_epi16(fields, _mm512_set1_epi16(0x0401));  // (1, 4)
+    const __m512i bytes = _mm512_madd_epi16(pairs, _mm512_set1_epi32(0x00100001));   // (1, 16)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(bytes));
+  }
+}
+
 // quant_math::decode lane by lane: zero + float(code) * scale, two roundings.
 inline __m512 decode(__m512i code, __m512 scale, __m512 zero) {
   return _mm512_add_ps(zero, _mm512_mul_ps(_mm512_cvtepi32_ps(code), scale));
@@ -96,6 +125,26 @@ struct SpanGroup {
   __m512 load_zero(__mmask16, int) const { return _mm512_set1_ps(zero); }
   __m512 load_divisor(__mmask16, int) const { return _mm512_set1_ps(div); }
   __m512 load_rcp(__mmask16, int) const { return _mm512_set1_ps(rcp); }
+};
+// Several groups per row, each a whole number of 16-element steps (per-token groups
+// of G, a multiple of 16, smaller than the row): step i / 16 belongs to the row's group
+// (i / 16) / kSpg, with kSpg = G / 16 fixed at compile time, or group_of[i / 16] when
+// kSpg is 0. The zero is always subtracted: x - 0 is x for every non-NaN x, and a NaN
+// encodes as lo either way, so symmetric groups give the same codes.
+template <int kSpg>
+struct StepGroups {
+  const float *scale, *zero, *divisor, *rcp;  // the row's groups
+  const int* group_of;                        // [steps of the row], used when kSpg == 0
+  int group(int i) const {
+    const unsigned step = static_cast<unsigned>(i) / kStep;
+    if constexpr (kSpg > 0) return static_cast<int>(step / kSpg);
+    return group_of[step];
+  }
+  __m512 minus_zero(__m512 x, __mmask16, int i) const { return _mm512_sub_ps(x, _mm512_set1_ps(zero[group(i)])); }
+  __m512 load_scale(__mmask16, int i) const { return _mm512_set1_ps(scale[group(i)]); }
+  __m512 load_zero(__mmask16, int i) const { return _mm512_set1_ps(zero[group(i)]); }
+  __m512 load_divisor(__mmask16, int i) const { return _mm512_set1_ps(divisor[group(i)]); }
+  __m512 load_rcp(__mmask16, int i) const { return _mm512_set1_ps(rcp[group(i)]); }
 };
 struct EachGroup {
   const float *scale, *zero, *divisor, *rcp;
@@ -123,8 +172,10 @@ struct CodeRange {
   CodeRange(int lo, int hi, float near)
       : lo(_mm512_set1_ps(static_cast<float>(lo))),
         hi(_mm512_set1_ps(static_cast<float>(hi))),
-        far_limit(_mm512_set1_ps(0.5f - near)) {}
+        far_limit(_mm512_set1_ps(0.5f - near)),
+        pack_order(pack4_order()) {}
   __m512 lo, hi, far_limit;
+  __m512i pack_order;
 };
 
 template <int kBits, bool kFake, typename Group>
@@ -141,7 +192,7 @@ template <int kBits, bool kFake, typename Group>
         _mm512_mask_storeu_ps(out_row + i, live, v);
       }
     } else {
-      store_packed<kBits>(code, m, codes_row + i * kBits / 8);
+      store_packed<kBits>(code, m, codes_row + static_cast<unsigned>(i) * kBits / 8);
     }
   };
   const int end = i0 + n, full_end = i0 + (n & ~(kStep - 1));  // n >= 0
@@ -154,6 +205,19 @@ template <int kBits, bool kFake, typename Group>
     };
     __m512 far = _mm512_setzero_ps();  // largest |c - rint(c)| of the span, lane by lane
     int i = i0;
+    if constexpr (!kFake) {
+      for (; i + 4 * kStep <= full_end; i += 4 * kStep) {
+        __m512i code[4];
+        for (int k = 0; k < 4; ++k) {
+          const int ik = i + k * kStep;
+          const __m512 c = quotient(ik, __mmask16(0xffff), _mm512_loadu_ps(x + ik));
+          far = _mm512_range_ps(far, _mm512_reduce_ps(c, kRound), kMaxAbs);
+          code[k] = _mm512_cvt_roundps_epi32(c, kRound);
+        }
+        store_packed4<kBits>(code[0], code[1], code[2], code[3], range.pack_order,
+                             codes_row + static_cast<unsigned>(i) * kBits / 8);
+      }
+    }
     for (; i < full_end; i += kStep) {
       const __m512 c = quotient(i, __mmask16(0xffff), _mm512_loadu_ps(x + i));
       far = _mm512_range_ps(far, _mm512_reduce_ps(c, kRound), kMaxAbs);
@@ -255,18 +319,25 @@ inline void column_min_max(const float* block, int rows, int d, float* mn, float
 }
 
 // The same for an fp16 row, converted on the way into dst (one pass over the row).
-// Returns false when the row holds a NaN: vcvtph2ps quiets signalling NaNs, so the
-// caller converts such a row with its bit-exact path and calls lane_min_max.
+// Returns false when the row may hold a NaN: vcvtph2ps quiets signalling NaNs, so the
+// caller converts such a row with its bit-exact path and calls lane_min_max. NaN is
+// detected by a running sum of the converted values per lane (one vaddps per step
+// instead of a compare and a mask merge): a NaN makes its lane's sum NaN. So does a
+// lane holding both +Inf and -Inf, which then takes the exact path as well (same
+// result, more work); fp16 values cannot overflow the float sum. kSpg: steps per group
+// (G = 16 kSpg and d a multiple of G) fixed at compile time, so that the group loop is
+// unrolled; 0 for any G.
+template <int kSpg = 0>
 inline bool f16_lane_min_max(const std::uint16_t* p, int d, int G, float* dst, float* mn, float* mx) {
-  __mmask16 nan = 0;
+  __m512 sum = _mm512_setzero_ps();
   const auto load = [&](int i) {
     const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)));
-    nan |= _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    sum = _mm512_add_ps(sum, f);
     _mm512_storeu_ps(dst + i, f);
     return f;
   };
   for (int i0 = 0, g = 0; i0 < d; i0 += G, ++g) {
-    const int end = i0 + G < d ? i0 + G : d;
+    const int end = kSpg > 0 ? i0 + kSpg * kStep : (i0 + G < d ? i0 + G : d);
     __m512 a = load(i0), b = a;
     for (int i = i0 + kStep; i < end; i += kStep) {
       const __m512 x = load(i);
@@ -276,7 +347,21 @@ inline bool f16_lane_min_max(const std::uint16_t* p, int d, int G, float* dst, f
     _mm512_storeu_ps(mn + kStep * g, a);
     _mm512_storeu_ps(mx + kStep * g, b);
   }
-  return nan == 0;
+  return _mm512_cmp_ps_mask(sum, sum, _CMP_UNORD_Q) == 0;
+}
+
+// f16_lane_min_max with the group loop unrolled for the common group sizes.
+inline bool f16_lane_min_max_any(const std::uint16_t* p, int d, int G, float* dst, float* mn, float* mx) {
+  if (d % G == 0) {
+    switch (G) {
+      case kStep: return f16_lane_min_max<1>(p, d, G, dst, mn, mx);
+      case 2 * kStep: return f16_lane_min_max<2>(p, d, G, dst, mn, mx);
+      case 4 * kStep: return f16_lane_min_max<4>(p, d, G, dst, mn, mx);
+      case 8 * kStep: return f16_lane_min_max<8>(p, d, G, dst, mn, mx);
+      default: break;
+    }
+  }
+  return f16_lane_min_max<0>(p, d, G, dst, mn, mx);
 }
 
 // Tree level with stride s over groups packed (16 / w) to a register, w lanes each
