@@ -178,8 +178,24 @@ struct CodeRange {
   __m512i pack_order;
 };
 
-template <int kBits, bool kFake, typename Group>
-[[gnu::always_inline]] inline void encode_span(const float* x, int i0, int n, const Group& g, bool fast,
+// The row an encode_span reads: floats, or fp16 converted by vcvtph2ps as it is read
+// (exact for a row without NaN, which is what the callers pass; it saves storing the
+// converted row and reading it back).
+struct FloatRow {
+  const float* p;
+  __m512 load(int i) const { return _mm512_loadu_ps(p + i); }
+  __m512 load(__mmask16 live, int i) const { return _mm512_maskz_loadu_ps(live, p + i); }
+};
+struct F16Row {
+  const std::uint16_t* p;
+  __m512 load(int i) const {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)));
+  }
+  __m512 load(__mmask16 live, int i) const { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, p + i)); }
+};
+
+template <int kBits, bool kFake, typename Group, typename Row>
+[[gnu::always_inline]] inline void encode_span(const Row& x, int i0, int n, const Group& g, bool fast,
                                                const CodeRange& range, std::uint8_t* codes_row,
                                                float* out_row) {
   const __m512 vlo = range.lo, vhi = range.hi;
@@ -210,7 +226,7 @@ template <int kBits, bool kFake, typename Group>
         __m512i code[4];
         for (int k = 0; k < 4; ++k) {
           const int ik = i + k * kStep;
-          const __m512 c = quotient(ik, __mmask16(0xffff), _mm512_loadu_ps(x + ik));
+          const __m512 c = quotient(ik, __mmask16(0xffff), x.load(ik));
           far = _mm512_range_ps(far, _mm512_reduce_ps(c, kRound), kMaxAbs);
           code[k] = _mm512_cvt_roundps_epi32(c, kRound);
         }
@@ -219,13 +235,13 @@ template <int kBits, bool kFake, typename Group>
       }
     }
     for (; i < full_end; i += kStep) {
-      const __m512 c = quotient(i, __mmask16(0xffff), _mm512_loadu_ps(x + i));
+      const __m512 c = quotient(i, __mmask16(0xffff), x.load(i));
       far = _mm512_range_ps(far, _mm512_reduce_ps(c, kRound), kMaxAbs);
       emit(i, kStep, __mmask16(0xffff), _mm512_cvt_roundps_epi32(c, kRound));
     }
     if (i < end) {
       const __mmask16 live = lanes(end - i);
-      const __m512 c = quotient(i, live, _mm512_maskz_loadu_ps(live, x + i));
+      const __m512 c = quotient(i, live, x.load(live, i));
       far = _mm512_mask_range_ps(far, live, far, _mm512_reduce_ps(c, kRound), kMaxAbs);
       emit(i, end - i, live, _mm512_cvt_roundps_epi32(c, kRound));
     }
@@ -235,7 +251,7 @@ template <int kBits, bool kFake, typename Group>
   for (int i = i0; i < end; i += kStep) {
     const int m = end - i < kStep ? end - i : kStep;
     const __mmask16 live = lanes(m);
-    const __m512 diff = g.minus_zero(_mm512_maskz_loadu_ps(live, x + i), live, i);
+    const __m512 diff = g.minus_zero(x.load(live, i), live, i);
     emit(i, m, live, round_code(clamp(_mm512_div_ps(diff, g.load_divisor(live, i)), vlo, vhi), &frac));
   }
 }
@@ -316,6 +332,32 @@ inline void column_min_max(const float* block, int rows, int d, float* mn, float
     _mm512_storeu_ps(mn + i, a);
     _mm512_storeu_ps(mx + i, b);
   }
+}
+
+// column_min_max of an fp16 block of `rows` consecutive rows of d at p, converted on
+// the way into block unless it is null (one pass over the input instead of a
+// conversion pass and a statistics pass). Returns false when the block may hold a NaN (see f16_lane_min_max:
+// a running sum per lane); the caller then converts it with its bit-exact path.
+inline bool f16_block_min_max(const std::uint16_t* p, int rows, int d, float* block, float* mn, float* mx) {
+  __m512 sum = _mm512_setzero_ps();
+  for (int i = 0; i < d; i += kStep) {
+    const auto load = [&](int t) {
+      const std::ptrdiff_t at = static_cast<std::ptrdiff_t>(t) * d + i;
+      const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + at)));
+      sum = _mm512_add_ps(sum, f);
+      if (block != nullptr) _mm512_storeu_ps(block + at, f);
+      return f;
+    };
+    __m512 a = load(0), b = a;
+    for (int t = 1; t < rows; ++t) {
+      const __m512 x = load(t);
+      a = min_into(a, x);
+      b = max_into(b, x);
+    }
+    _mm512_storeu_ps(mn + i, a);
+    _mm512_storeu_ps(mx + i, b);
+  }
+  return _mm512_cmp_ps_mask(sum, sum, _CMP_UNORD_Q) == 0;
 }
 
 // The same for an fp16 row, converted on the way into dst (one pass over the row).
