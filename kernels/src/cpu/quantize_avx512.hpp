@@ -336,19 +336,21 @@ inline void column_min_max(const float* block, int rows, int d, float* mn, float
 
 // column_min_max of an fp16 block of `rows` consecutive rows of d at p, converted on
 // the way into block unless it is null (one pass over the input instead of a
-// conversion pass and a statistics pass). Returns false when the block may hold a NaN (see f16_lane_min_max:
-// a running sum per lane); the caller then converts it with its bit-exact path.
+// conversion pass and a statistics pass). Returns false when the first row, which
+// seeds the accumulators, may hold a NaN (see f16_lane_min_max: a NaN in a later row
+// changes no statistic and encodes as lo); the caller then converts the block with its
+// bit-exact path.
 inline bool f16_block_min_max(const std::uint16_t* p, int rows, int d, float* block, float* mn, float* mx) {
   __m512 sum = _mm512_setzero_ps();
   for (int i = 0; i < d; i += kStep) {
     const auto load = [&](int t) {
       const std::ptrdiff_t at = static_cast<std::ptrdiff_t>(t) * d + i;
       const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + at)));
-      sum = _mm512_add_ps(sum, f);
       if (block != nullptr) _mm512_storeu_ps(block + at, f);
       return f;
     };
     __m512 a = load(0), b = a;
+    sum = _mm512_add_ps(sum, a);
     for (int t = 1; t < rows; ++t) {
       const __m512 x = load(t);
       a = min_into(a, x);
@@ -361,9 +363,13 @@ inline bool f16_block_min_max(const std::uint16_t* p, int rows, int d, float* bl
 }
 
 // The same for an fp16 row, converted on the way into dst (one pass over the row).
-// Returns false when the row may hold a NaN: vcvtph2ps quiets signalling NaNs, so the
-// caller converts such a row with its bit-exact path and calls lane_min_max. NaN is
-// detected by a running sum of the converted values per lane (one vaddps per step
+// Returns false when the row may hold a NaN where it matters: vcvtph2ps quiets
+// signalling NaNs, so the caller then converts the row with its bit-exact path and
+// calls lane_min_max. Only the first step of each group can matter: it seeds the
+// accumulators, and min_into / max_into (as min_f / max_f) keep the accumulator when
+// the new value is NaN, so a later NaN changes no statistic; its code is lo whether the
+// NaN is quiet or not (the clamp), and no float of the row is copied to the output.
+// NaN is detected by a running sum of those steps per lane (one vaddps per group
 // instead of a compare and a mask merge): a NaN makes its lane's sum NaN. So does a
 // lane holding both +Inf and -Inf, which then takes the exact path as well (same
 // result, more work); fp16 values cannot overflow the float sum. kSpg: steps per group
@@ -371,16 +377,16 @@ inline bool f16_block_min_max(const std::uint16_t* p, int rows, int d, float* bl
 // unrolled; 0 for any G.
 template <int kSpg = 0>
 inline bool f16_lane_min_max(const std::uint16_t* p, int d, int G, float* dst, float* mn, float* mx) {
-  __m512 sum = _mm512_setzero_ps();
+  __m512 sum = _mm512_setzero_ps();  // of the first step of every group
   const auto load = [&](int i) {
     const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)));
-    sum = _mm512_add_ps(sum, f);
     _mm512_storeu_ps(dst + i, f);
     return f;
   };
   for (int i0 = 0, g = 0; i0 < d; i0 += G, ++g) {
     const int end = kSpg > 0 ? i0 + kSpg * kStep : (i0 + G < d ? i0 + G : d);
     __m512 a = load(i0), b = a;
+    sum = _mm512_add_ps(sum, a);
     for (int i = i0 + kStep; i < end; i += kStep) {
       const __m512 x = load(i);
       a = min_into(a, x);
