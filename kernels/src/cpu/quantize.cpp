@@ -493,24 +493,39 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
       for (int r = 0; r < nr; ++r) offsets[r] = p.row_offset((r0 + r) / Tq, (r0 + r) % Tq);
 #if defined(KVSCOPE_CPU_AVX512)
       if (vector_stats) {
-        for (int r = 0; r < nr; ++r) {
-          float* row_buf = buf.data() + static_cast<std::size_t>(r) * d;
-          float* amn = lane_mn.data() + static_cast<std::size_t>(r) * ng * quant_avx512::kStep;
-          float* amx = lane_mx.data() + static_cast<std::size_t>(r) * ng * quant_avx512::kStep;
-          if constexpr (kT == DType::kF16) {
-            // Converted into row_buf on the way. (Encoding from the fp16 row instead, as
-            // the per-channel kernel does, was 20 % slower here.)
-            if (quant_avx512::f16_lane_min_max_any(static_cast<const std::uint16_t*>(x) + offsets[r], d, G,
-                                                   row_buf, amn, amx)) {
-              xr[r] = row_buf;
-              continue;
+        // Rows with an even number of groups keep their accumulators paired (the first
+        // tree level done while they are in registers): half the stores and loads.
+        const auto stats = [&](auto paired_tag) {
+          constexpr bool kPaired = decltype(paired_tag)::value;
+          const std::size_t row_acc = static_cast<std::size_t>(ng) * quant_avx512::kStep / (kPaired ? 2 : 1);
+          for (int r = 0; r < nr; ++r) {
+            float* row_buf = buf.data() + static_cast<std::size_t>(r) * d;
+            float* amn = lane_mn.data() + r * row_acc;
+            float* amx = lane_mx.data() + r * row_acc;
+            if constexpr (kT == DType::kF16) {
+              // Converted into row_buf on the way. (Encoding from the fp16 row instead, as
+              // the per-channel kernel does, was 20 % slower here.)
+              if (quant_avx512::f16_lane_min_max_any<kPaired>(static_cast<const std::uint16_t*>(x) + offsets[r],
+                                                              d, G, row_buf, amn, amx)) {
+                xr[r] = row_buf;
+                continue;
+              }
+            }
+            xr[r] = row_as_float<kT>(x, offsets[r], d, row_buf);
+            quant_avx512::lane_min_max(xr[r], d, G, amn, amx);
+            if constexpr (kPaired) {
+              quant_avx512::pair_groups<false>(amn, ng);
+              quant_avx512::pair_groups<true>(amx, ng);
             }
           }
-          xr[r] = row_as_float<kT>(x, offsets[r], d, row_buf);
-          quant_avx512::lane_min_max(xr[r], d, G, amn, amx);
+          quant_avx512::reduce_groups<false, kPaired>(lane_mn.data(), nr * ng, mn.data());
+          quant_avx512::reduce_groups<true, kPaired>(lane_mx.data(), nr * ng, mx.data());
+        };
+        if (ng % 2 == 0) {
+          stats(std::true_type{});
+        } else {
+          stats(std::false_type{});
         }
-        quant_avx512::reduce_groups<false>(lane_mn.data(), nr * ng, mn.data());
-        quant_avx512::reduce_groups<true>(lane_mx.data(), nr * ng, mx.data());
       }
 #endif
       for (int r = 0; r < nr; ++r) {

@@ -302,6 +302,20 @@ inline void group_params(const float* mn, const float* mx, int n, int bits, bool
 inline __m512 min_into(__m512 a, __m512 x) { return _mm512_min_ps(x, a); }
 inline __m512 max_into(__m512 a, __m512 x) { return _mm512_max_ps(x, a); }
 
+// Tree level with stride s over groups packed (16 / w) to a register, w lanes each
+// (w = 16, 8, 4, 2): the lower lanes of every group as the first operand, the lanes
+// s above them as the second; the result packs twice as many groups, w / 2 lanes each.
+template <bool kMax>
+inline __m512 tree_level(__m512 lo_groups, __m512 hi_groups, __m512i first, int s) {
+  const __m512 a = _mm512_permutex2var_ps(lo_groups, first, hi_groups);
+  const __m512 x =
+      _mm512_permutex2var_ps(lo_groups, _mm512_add_epi32(first, _mm512_set1_epi32(s)), hi_groups);
+  return kMax ? max_into(a, x) : min_into(a, x);
+}
+
+// Lanes of the first operand of each tree level; the second is s = 8, 4, 2, 1 above.
+inline __m512i tree_lanes1() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23); }
+
 // Lane accumulators of the groups of G floats of a row of d (d and G multiples of 16;
 // the last group may be shorter): 16 floats per group g into mn[16 g ...], mx[16 g ...].
 inline void lane_min_max(const float* v, int d, int G, float* mn, float* mx) {
@@ -375,7 +389,10 @@ inline bool f16_block_min_max(const std::uint16_t* p, int rows, int d, float* bl
 // result, more work); fp16 values cannot overflow the float sum. kSpg: steps per group
 // (G = 16 kSpg and d a multiple of G) fixed at compile time, so that the group loop is
 // unrolled; 0 for any G.
-template <int kSpg = 0>
+// kPaired (the number of groups of the row even): the accumulators of groups 2j and
+// 2j + 1 leave as one register, the first tree level of reduce_groups applied (see
+// reduce_paired_groups), at mn[16 j ...], mx[16 j ...].
+template <int kSpg = 0, bool kPaired = false>
 inline bool f16_lane_min_max(const std::uint16_t* p, int d, int G, float* dst, float* mn, float* mx) {
   __m512 sum = _mm512_setzero_ps();  // of the first step of every group
   const auto load = [&](int i) {
@@ -383,6 +400,7 @@ inline bool f16_lane_min_max(const std::uint16_t* p, int d, int G, float* dst, f
     _mm512_storeu_ps(dst + i, f);
     return f;
   };
+  [[maybe_unused]] __m512 even_mn, even_mx;  // kPaired: the accumulators of the last even group
   for (int i0 = 0, g = 0; i0 < d; i0 += G, ++g) {
     const int end = kSpg > 0 ? i0 + kSpg * kStep : (i0 + G < d ? i0 + G : d);
     __m512 a = load(i0), b = a;
@@ -392,50 +410,65 @@ inline bool f16_lane_min_max(const std::uint16_t* p, int d, int G, float* dst, f
       a = min_into(a, x);
       b = max_into(b, x);
     }
-    _mm512_storeu_ps(mn + kStep * g, a);
-    _mm512_storeu_ps(mx + kStep * g, b);
+    if constexpr (kPaired) {
+      if (g % 2 == 0) {
+        even_mn = a;
+        even_mx = b;
+        continue;
+      }
+      _mm512_storeu_ps(mn + kStep * (g / 2), tree_level<false>(even_mn, a, tree_lanes1(), 8));
+      _mm512_storeu_ps(mx + kStep * (g / 2), tree_level<true>(even_mx, b, tree_lanes1(), 8));
+    } else {
+      _mm512_storeu_ps(mn + kStep * g, a);
+      _mm512_storeu_ps(mx + kStep * g, b);
+    }
   }
   return _mm512_cmp_ps_mask(sum, sum, _CMP_UNORD_Q) == 0;
 }
 
+// The first tree level of the n (even) lane accumulators acc[16 k ...] in place:
+// groups 2j and 2j + 1 into one register at acc[16 j ...], as kPaired above.
+template <bool kMax>
+inline void pair_groups(float* acc, int n) {
+  for (int j = 0; j < n / 2; ++j) {
+    const __m512 lo = _mm512_loadu_ps(acc + kStep * 2 * j), hi = _mm512_loadu_ps(acc + kStep * (2 * j + 1));
+    _mm512_storeu_ps(acc + kStep * j, tree_level<kMax>(lo, hi, tree_lanes1(), 8));
+  }
+}
+
 // f16_lane_min_max with the group loop unrolled for the common group sizes.
+template <bool kPaired>
 inline bool f16_lane_min_max_any(const std::uint16_t* p, int d, int G, float* dst, float* mn, float* mx) {
   if (d % G == 0) {
     switch (G) {
-      case kStep: return f16_lane_min_max<1>(p, d, G, dst, mn, mx);
-      case 2 * kStep: return f16_lane_min_max<2>(p, d, G, dst, mn, mx);
-      case 4 * kStep: return f16_lane_min_max<4>(p, d, G, dst, mn, mx);
-      case 8 * kStep: return f16_lane_min_max<8>(p, d, G, dst, mn, mx);
+      case kStep: return f16_lane_min_max<1, kPaired>(p, d, G, dst, mn, mx);
+      case 2 * kStep: return f16_lane_min_max<2, kPaired>(p, d, G, dst, mn, mx);
+      case 4 * kStep: return f16_lane_min_max<4, kPaired>(p, d, G, dst, mn, mx);
+      case 8 * kStep: return f16_lane_min_max<8, kPaired>(p, d, G, dst, mn, mx);
       default: break;
     }
   }
-  return f16_lane_min_max<0>(p, d, G, dst, mn, mx);
+  return f16_lane_min_max<0, kPaired>(p, d, G, dst, mn, mx);
 }
 
-// Tree level with stride s over groups packed (16 / w) to a register, w lanes each
-// (w = 16, 8, 4, 2): the lower lanes of every group as the first operand, the lanes
-// s above them as the second; the result packs twice as many groups, w / 2 lanes each.
-template <bool kMax>
-inline __m512 tree_level(__m512 lo_groups, __m512 hi_groups, __m512i first, int s) {
-  const __m512 a = _mm512_permutex2var_ps(lo_groups, first, hi_groups);
-  const __m512 x =
-      _mm512_permutex2var_ps(lo_groups, _mm512_add_epi32(first, _mm512_set1_epi32(s)), hi_groups);
-  return kMax ? max_into(a, x) : min_into(a, x);
-}
-
-// out[k] = tree reduction of the 16 lane accumulators acc[16 k ...], k < n.
-template <bool kMax>
+// out[k] = tree reduction of the 16 lane accumulators acc[16 k ...], k < n; kPaired:
+// acc holds them paired (n even, the first level done: pair_groups).
+template <bool kMax, bool kPaired = false>
 inline void reduce_groups(const float* acc, int n, float* out) {
-  // Lanes of the first operand at each level; the second is s = 8, 4, 2, 1 above.
-  const __m512i l1 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i l1 = tree_lanes1();
   const __m512i l2 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
   const __m512i l3 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
   const __m512i l4 = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   for (int k0 = 0; k0 < n; k0 += kStep) {
     const int m = n - k0 < kStep ? n - k0 : kStep;
     __m512 v[kStep];
-    for (int k = 0; k < kStep; ++k) v[k] = _mm512_loadu_ps(acc + kStep * (k0 + (k < m ? k : m - 1)));
-    for (int k = 0; k < 8; ++k) v[k] = tree_level<kMax>(v[2 * k], v[2 * k + 1], l1, 8);
+    if constexpr (kPaired) {
+      const int pairs = m / 2;
+      for (int k = 0; k < 8; ++k) v[k] = _mm512_loadu_ps(acc + kStep * (k0 / 2 + (k < pairs ? k : pairs - 1)));
+    } else {
+      for (int k = 0; k < kStep; ++k) v[k] = _mm512_loadu_ps(acc + kStep * (k0 + (k < m ? k : m - 1)));
+      for (int k = 0; k < 8; ++k) v[k] = tree_level<kMax>(v[2 * k], v[2 * k + 1], l1, 8);
+    }
     for (int k = 0; k < 4; ++k) v[k] = tree_level<kMax>(v[2 * k], v[2 * k + 1], l2, 4);
     for (int k = 0; k < 2; ++k) v[k] = tree_level<kMax>(v[2 * k], v[2 * k + 1], l3, 2);
     _mm512_mask_storeu_ps(out + k0, lanes(m), tree_level<kMax>(v[0], v[1], l4, 1));
