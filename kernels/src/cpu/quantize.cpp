@@ -493,11 +493,12 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
       for (int r = 0; r < nr; ++r) offsets[r] = p.row_offset((r0 + r) / Tq, (r0 + r) % Tq);
 #if defined(KVSCOPE_CPU_AVX512)
       if (vector_stats) {
-        // Rows with an even number of groups keep their accumulators paired (the first
-        // tree level done while they are in registers): half the stores and loads.
-        const auto stats = [&](auto paired_tag) {
-          constexpr bool kPaired = decltype(paired_tag)::value;
-          const std::size_t row_acc = static_cast<std::size_t>(ng) * quant_avx512::kStep / (kPaired ? 2 : 1);
+        // Rows whose number of groups is a multiple of 4 (KIVI values: 128 / 32) or 2 keep
+        // their accumulators folded, the first one or two tree levels done while they are
+        // in registers: a quarter or half of the stores and loads.
+        const auto stats = [&](auto fold_tag) {
+          constexpr int kFold = decltype(fold_tag)::value;
+          const std::size_t row_acc = static_cast<std::size_t>(ng / kFold) * quant_avx512::kStep;
           for (int r = 0; r < nr; ++r) {
             float* row_buf = buf.data() + static_cast<std::size_t>(r) * d;
             float* amn = lane_mn.data() + r * row_acc;
@@ -505,26 +506,26 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
             if constexpr (kT == DType::kF16) {
               // Converted into row_buf on the way. (Encoding from the fp16 row instead, as
               // the per-channel kernel does, was 20 % slower here.)
-              if (quant_avx512::f16_lane_min_max_any<kPaired>(static_cast<const std::uint16_t*>(x) + offsets[r],
-                                                              d, G, row_buf, amn, amx)) {
+              if (quant_avx512::f16_lane_min_max_any<kFold>(static_cast<const std::uint16_t*>(x) + offsets[r], d,
+                                                            G, row_buf, amn, amx)) {
                 xr[r] = row_buf;
                 continue;
               }
             }
             xr[r] = row_as_float<kT>(x, offsets[r], d, row_buf);
             quant_avx512::lane_min_max(xr[r], d, G, amn, amx);
-            if constexpr (kPaired) {
-              quant_avx512::pair_groups<false>(amn, ng);
-              quant_avx512::pair_groups<true>(amx, ng);
-            }
+            quant_avx512::fold_groups<false, kFold>(amn, ng);
+            quant_avx512::fold_groups<true, kFold>(amx, ng);
           }
-          quant_avx512::reduce_groups<false, kPaired>(lane_mn.data(), nr * ng, mn.data());
-          quant_avx512::reduce_groups<true, kPaired>(lane_mx.data(), nr * ng, mx.data());
+          quant_avx512::reduce_groups<false, kFold>(lane_mn.data(), nr * ng, mn.data());
+          quant_avx512::reduce_groups<true, kFold>(lane_mx.data(), nr * ng, mx.data());
         };
-        if (ng % 2 == 0) {
-          stats(std::true_type{});
+        if (ng % 4 == 0) {
+          stats(std::integral_constant<int, 4>{});
+        } else if (ng % 2 == 0) {
+          stats(std::integral_constant<int, 2>{});
         } else {
-          stats(std::false_type{});
+          stats(std::integral_constant<int, 1>{});
         }
       }
 #endif

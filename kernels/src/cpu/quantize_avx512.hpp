@@ -315,6 +315,23 @@ inline __m512 tree_level(__m512 lo_groups, __m512 hi_groups, __m512i first, int 
 
 // Lanes of the first operand of each tree level; the second is s = 8, 4, 2, 1 above.
 inline __m512i tree_lanes1() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23); }
+inline __m512i tree_lanes2() { return _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27); }
+
+// The first levels of the trees of kFold (1, 2 or 4) consecutive groups' accumulators:
+// one register holding their partial trees, as reduce_groups has them after one
+// (kFold = 2) or two (kFold = 4) levels.
+template <bool kMax, int kFold>
+inline __m512 fold(const __m512* v) {
+  if constexpr (kFold == 1) {
+    return v[0];
+  } else if constexpr (kFold == 2) {
+    return tree_level<kMax>(v[0], v[1], tree_lanes1(), 8);
+  } else {
+    static_assert(kFold == 4);
+    return tree_level<kMax>(tree_level<kMax>(v[0], v[1], tree_lanes1(), 8),
+                            tree_level<kMax>(v[2], v[3], tree_lanes1(), 8), tree_lanes2(), 4);
+  }
+}
 
 // Lane accumulators of the groups of G floats of a row of d (d and G multiples of 16;
 // the last group may be shorter): 16 floats per group g into mn[16 g ...], mx[16 g ...].
@@ -389,10 +406,11 @@ inline bool f16_block_min_max(const std::uint16_t* p, int rows, int d, float* bl
 // result, more work); fp16 values cannot overflow the float sum. kSpg: steps per group
 // (G = 16 kSpg and d a multiple of G) fixed at compile time, so that the group loop is
 // unrolled; 0 for any G.
-// kPaired (the number of groups of the row even): the accumulators of groups 2j and
-// 2j + 1 leave as one register, the first tree level of reduce_groups applied (see
-// reduce_paired_groups), at mn[16 j ...], mx[16 j ...].
-template <int kSpg = 0, bool kPaired = false>
+// kFold = 2 or 4 (the number of groups of the row a multiple of it): the accumulators
+// of groups kFold j ... kFold j + kFold - 1 leave as one register, the first one or two
+// tree levels of reduce_groups applied while they are in registers (fold_groups), at
+// mn[16 j ...], mx[16 j ...].
+template <int kSpg = 0, int kFold = 1>
 inline bool f16_lane_min_max(const std::uint16_t* p, int d, int G, float* dst, float* mn, float* mx) {
   __m512 sum = _mm512_setzero_ps();  // of the first step of every group
   const auto load = [&](int i) {
@@ -400,76 +418,74 @@ inline bool f16_lane_min_max(const std::uint16_t* p, int d, int G, float* dst, f
     _mm512_storeu_ps(dst + i, f);
     return f;
   };
-  [[maybe_unused]] __m512 even_mn, even_mx;  // kPaired: the accumulators of the last even group
-  for (int i0 = 0, g = 0; i0 < d; i0 += G, ++g) {
+  // Accumulators of the group at i0 into a, b.
+  const auto group = [&](int i0, __m512& a, __m512& b) {
     const int end = kSpg > 0 ? i0 + kSpg * kStep : (i0 + G < d ? i0 + G : d);
-    __m512 a = load(i0), b = a;
+    a = load(i0);
+    b = a;
     sum = _mm512_add_ps(sum, a);
     for (int i = i0 + kStep; i < end; i += kStep) {
       const __m512 x = load(i);
       a = min_into(a, x);
       b = max_into(b, x);
     }
-    if constexpr (kPaired) {
-      if (g % 2 == 0) {
-        even_mn = a;
-        even_mx = b;
-        continue;
-      }
-      _mm512_storeu_ps(mn + kStep * (g / 2), tree_level<false>(even_mn, a, tree_lanes1(), 8));
-      _mm512_storeu_ps(mx + kStep * (g / 2), tree_level<true>(even_mx, b, tree_lanes1(), 8));
-    } else {
-      _mm512_storeu_ps(mn + kStep * g, a);
-      _mm512_storeu_ps(mx + kStep * g, b);
-    }
+  };
+  for (int i0 = 0, j = 0; i0 < d; i0 += kFold * G, ++j) {
+    __m512 a[kFold], b[kFold];
+    for (int k = 0; k < kFold; ++k) group(i0 + k * G, a[k], b[k]);
+    _mm512_storeu_ps(mn + kStep * j, fold<false, kFold>(a));
+    _mm512_storeu_ps(mx + kStep * j, fold<true, kFold>(b));
   }
   return _mm512_cmp_ps_mask(sum, sum, _CMP_UNORD_Q) == 0;
 }
 
-// The first tree level of the n (even) lane accumulators acc[16 k ...] in place:
-// groups 2j and 2j + 1 into one register at acc[16 j ...], as kPaired above.
-template <bool kMax>
-inline void pair_groups(float* acc, int n) {
-  for (int j = 0; j < n / 2; ++j) {
-    const __m512 lo = _mm512_loadu_ps(acc + kStep * 2 * j), hi = _mm512_loadu_ps(acc + kStep * (2 * j + 1));
-    _mm512_storeu_ps(acc + kStep * j, tree_level<kMax>(lo, hi, tree_lanes1(), 8));
+// The first tree levels of the n (a multiple of kFold) lane accumulators acc[16 k ...]
+// in place: groups kFold j ... into one register at acc[16 j ...], as above.
+template <bool kMax, int kFold>
+inline void fold_groups(float* acc, int n) {
+  for (int j = 0; j < n / kFold; ++j) {
+    __m512 v[kFold];
+    for (int k = 0; k < kFold; ++k) v[k] = _mm512_loadu_ps(acc + kStep * (kFold * j + k));
+    _mm512_storeu_ps(acc + kStep * j, fold<kMax, kFold>(v));
   }
 }
 
 // f16_lane_min_max with the group loop unrolled for the common group sizes.
-template <bool kPaired>
+template <int kFold>
 inline bool f16_lane_min_max_any(const std::uint16_t* p, int d, int G, float* dst, float* mn, float* mx) {
   if (d % G == 0) {
     switch (G) {
-      case kStep: return f16_lane_min_max<1, kPaired>(p, d, G, dst, mn, mx);
-      case 2 * kStep: return f16_lane_min_max<2, kPaired>(p, d, G, dst, mn, mx);
-      case 4 * kStep: return f16_lane_min_max<4, kPaired>(p, d, G, dst, mn, mx);
-      case 8 * kStep: return f16_lane_min_max<8, kPaired>(p, d, G, dst, mn, mx);
+      case kStep: return f16_lane_min_max<1, kFold>(p, d, G, dst, mn, mx);
+      case 2 * kStep: return f16_lane_min_max<2, kFold>(p, d, G, dst, mn, mx);
+      case 4 * kStep: return f16_lane_min_max<4, kFold>(p, d, G, dst, mn, mx);
+      case 8 * kStep: return f16_lane_min_max<8, kFold>(p, d, G, dst, mn, mx);
       default: break;
     }
   }
-  return f16_lane_min_max<0, kPaired>(p, d, G, dst, mn, mx);
+  return f16_lane_min_max<0, kFold>(p, d, G, dst, mn, mx);
 }
 
-// out[k] = tree reduction of the 16 lane accumulators acc[16 k ...], k < n; kPaired:
-// acc holds them paired (n even, the first level done: pair_groups).
-template <bool kMax, bool kPaired = false>
+// out[k] = tree reduction of the 16 lane accumulators acc[16 k ...], k < n; kFold > 1:
+// acc holds them folded (n a multiple of kFold, the first levels done: fold_groups).
+template <bool kMax, int kFold = 1>
 inline void reduce_groups(const float* acc, int n, float* out) {
   const __m512i l1 = tree_lanes1();
-  const __m512i l2 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i l2 = tree_lanes2();
   const __m512i l3 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
   const __m512i l4 = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   for (int k0 = 0; k0 < n; k0 += kStep) {
     const int m = n - k0 < kStep ? n - k0 : kStep;
     __m512 v[kStep];
-    if constexpr (kPaired) {
-      const int pairs = m / 2;
-      for (int k = 0; k < 8; ++k) v[k] = _mm512_loadu_ps(acc + kStep * (k0 / 2 + (k < pairs ? k : pairs - 1)));
-    } else {
-      for (int k = 0; k < kStep; ++k) v[k] = _mm512_loadu_ps(acc + kStep * (k0 + (k < m ? k : m - 1)));
+    // The registers of this run of 16 groups (a partial run repeats its last one).
+    constexpr int kRegs = kStep / kFold;
+    const int regs = m / kFold;
+    for (int k = 0; k < kRegs; ++k) v[k] = _mm512_loadu_ps(acc + kStep * (k0 / kFold + (k < regs ? k : regs - 1)));
+    if constexpr (kFold < 2) {
       for (int k = 0; k < 8; ++k) v[k] = tree_level<kMax>(v[2 * k], v[2 * k + 1], l1, 8);
     }
-    for (int k = 0; k < 4; ++k) v[k] = tree_level<kMax>(v[2 * k], v[2 * k + 1], l2, 4);
+    if constexpr (kFold < 4) {
+      for (int k = 0; k < 4; ++k) v[k] = tree_level<kMax>(v[2 * k], v[2 * k + 1], l2, 4);
+    }
     for (int k = 0; k < 2; ++k) v[k] = tree_level<kMax>(v[2 * k], v[2 * k + 1], l3, 2);
     _mm512_mask_storeu_ps(out + k0, lanes(m), tree_level<kMax>(v[0], v[1], l4, 1));
   }
