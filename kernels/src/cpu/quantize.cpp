@@ -465,8 +465,10 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
   // groups all take the reciprocal is encoded in one span, group_of[step] giving each
   // step's group, rather than a short span per group.
   const bool step_rows = G % quant_avx512::kStep == 0 && ng > 1;
-  std::vector<int> group_of(step_rows ? static_cast<std::size_t>((d + quant_avx512::kStep - 1) / quant_avx512::kStep) : 0);
-  for (std::size_t j = 0; j < group_of.size(); ++j) group_of[j] = static_cast<int>(j) * quant_avx512::kStep / G;
+  std::vector<int> group_of(
+      step_rows ? static_cast<std::size_t>((d + quant_avx512::kStep - 1) / quant_avx512::kStep) : 0);
+  for (std::size_t j = 0; j < group_of.size(); ++j)
+    group_of[j] = static_cast<int>(j) * quant_avx512::kStep / G;
 #endif
 #pragma omp parallel if (p.parallel)
   {
@@ -506,8 +508,8 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
             if constexpr (kT == DType::kF16) {
               // Converted into row_buf on the way. (Encoding from the fp16 row instead, as
               // the per-channel kernel does, was 20 % slower here.)
-              if (quant_avx512::f16_lane_min_max_any<kFold>(static_cast<const std::uint16_t*>(x) + offsets[r], d,
-                                                            G, row_buf, amn, amx)) {
+              if (quant_avx512::f16_lane_min_max_any<kFold>(static_cast<const std::uint16_t*>(x) + offsets[r],
+                                                            d, G, row_buf, amn, amx)) {
                 xr[r] = row_buf;
                 continue;
               }
@@ -655,7 +657,8 @@ void quantize_whole(const Plan& p, const void* x, const QuantOut& o) {
 #if defined(KVSCOPE_CPU_AVX512)
       const float divisor = quant_math::encode_divisor(s);
       quant_avx512::encode_span<kBits, kFake>(
-          quant_avx512::FloatRow{xr}, 0, d, quant_avx512::SpanGroup{s, z, divisor, 1.0f / divisor, p.spec.symmetric},
+          quant_avx512::FloatRow{xr}, 0, d,
+          quant_avx512::SpanGroup{s, z, divisor, 1.0f / divisor, p.spec.symmetric},
           reciprocal_usable(divisor), range, codes_row<kFake>(p, o, row), out_row<kFake>(o, off));
       continue;
 #endif

@@ -87,7 +87,9 @@ inline void store_packed(__m512i code, int n, std::uint8_t* out) {
 // dwords; `order` (pack4_order) puts the dwords in element order. The 2- and 4-bit
 // fields of consecutive elements are then folded into bytes by multiply-adds as in
 // store_packed.
-inline __m512i pack4_order() { return _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15); }
+inline __m512i pack4_order() {
+  return _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+}
 
 template <int kBits>
 inline void store_packed4(__m512i c0, __m512i c1, __m512i c2, __m512i c3, __m512i order, std::uint8_t* out) {
@@ -102,7 +104,7 @@ inline void store_packed4(__m512i c0, __m512i c1, __m512i c2, __m512i c3, __m512
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi16_epi8(bytes));
   } else {
     const __m512i pairs = _mm512_maddubs_epi16(fields, _mm512_set1_epi16(0x0401));  // (1, 4)
-    const __m512i bytes = _mm512_madd_epi16(pairs, _mm512_set1_epi32(0x00100001));   // (1, 16)
+    const __m512i bytes = _mm512_madd_epi16(pairs, _mm512_set1_epi32(0x00100001));  // (1, 16)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(bytes));
   }
 }
@@ -140,7 +142,9 @@ struct StepGroups {
     if constexpr (kSpg > 0) return static_cast<int>(step / kSpg);
     return group_of[step];
   }
-  __m512 minus_zero(__m512 x, __mmask16, int i) const { return _mm512_sub_ps(x, _mm512_set1_ps(zero[group(i)])); }
+  __m512 minus_zero(__m512 x, __mmask16, int i) const {
+    return _mm512_sub_ps(x, _mm512_set1_ps(zero[group(i)]));
+  }
   __m512 load_scale(__mmask16, int i) const { return _mm512_set1_ps(scale[group(i)]); }
   __m512 load_zero(__mmask16, int i) const { return _mm512_set1_ps(zero[group(i)]); }
   __m512 load_divisor(__mmask16, int i) const { return _mm512_set1_ps(divisor[group(i)]); }
@@ -314,8 +318,12 @@ inline __m512 tree_level(__m512 lo_groups, __m512 hi_groups, __m512i first, int 
 }
 
 // Lanes of the first operand of each tree level; the second is s = 8, 4, 2, 1 above.
-inline __m512i tree_lanes1() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23); }
-inline __m512i tree_lanes2() { return _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27); }
+inline __m512i tree_lanes1() {
+  return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+}
+inline __m512i tree_lanes2() {
+  return _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+}
 
 // The first levels of the trees of kFold (1, 2 or 4) consecutive groups' accumulators:
 // one register holding their partial trees, as reduce_groups has them after one
@@ -455,11 +463,16 @@ template <int kFold>
 inline bool f16_lane_min_max_any(const std::uint16_t* p, int d, int G, float* dst, float* mn, float* mx) {
   if (d % G == 0) {
     switch (G) {
-      case kStep: return f16_lane_min_max<1, kFold>(p, d, G, dst, mn, mx);
-      case 2 * kStep: return f16_lane_min_max<2, kFold>(p, d, G, dst, mn, mx);
-      case 4 * kStep: return f16_lane_min_max<4, kFold>(p, d, G, dst, mn, mx);
-      case 8 * kStep: return f16_lane_min_max<8, kFold>(p, d, G, dst, mn, mx);
-      default: break;
+      case kStep:
+        return f16_lane_min_max<1, kFold>(p, d, G, dst, mn, mx);
+      case 2 * kStep:
+        return f16_lane_min_max<2, kFold>(p, d, G, dst, mn, mx);
+      case 4 * kStep:
+        return f16_lane_min_max<4, kFold>(p, d, G, dst, mn, mx);
+      case 8 * kStep:
+        return f16_lane_min_max<8, kFold>(p, d, G, dst, mn, mx);
+      default:
+        break;
     }
   }
   return f16_lane_min_max<0, kFold>(p, d, G, dst, mn, mx);
@@ -479,7 +492,8 @@ inline void reduce_groups(const float* acc, int n, float* out) {
     // The registers of this run of 16 groups (a partial run repeats its last one).
     constexpr int kRegs = kStep / kFold;
     const int regs = m / kFold;
-    for (int k = 0; k < kRegs; ++k) v[k] = _mm512_loadu_ps(acc + kStep * (k0 / kFold + (k < regs ? k : regs - 1)));
+    for (int k = 0; k < kRegs; ++k)
+      v[k] = _mm512_loadu_ps(acc + kStep * (k0 / kFold + (k < regs ? k : regs - 1)));
     if constexpr (kFold < 2) {
       for (int k = 0; k < 8; ++k) v[k] = tree_level<kMax>(v[2 * k], v[2 * k + 1], l1, 8);
     }
