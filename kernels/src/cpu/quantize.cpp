@@ -113,14 +113,16 @@ constexpr int kLanes = 16;
 
 // ---------------------------------------------------------------- conversion
 
-// Asks for the `bytes` bytes at `p` to be brought into the cache (a hint: it never
-// faults, so it may point past the end of the input). The row loops call it for the
-// rows of the next block while they encode the current one, which overlaps the reads
-// from memory with the encoding: the statistics pass would otherwise wait for each
-// block's loads, with the cores' prefetchers only a few lines ahead.
-inline void prefetch_bytes(const void* p, std::size_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (std::size_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, 3);
+// Asks for the `bytes` bytes `offset` bytes after `base` to be brought into the cache
+// (a hint: it never faults, so the range may lie past the end of the input; the address
+// is formed as an integer, since a pointer past the end of an array is undefined). The
+// row loops call it for the rows of the next block while they encode the current one,
+// which overlaps the reads from memory with the encoding: the statistics pass would
+// otherwise wait for each block's loads, with the cores' prefetchers only a few lines
+// ahead.
+inline void prefetch_bytes(const void* base, std::int64_t offset, std::size_t bytes) {
+  const std::uintptr_t at = reinterpret_cast<std::uintptr_t>(base) + static_cast<std::uintptr_t>(offset);
+  for (std::size_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const void*>(at + b), 0, 3);
 }
 
 // Same value as half_to_float for every bit pattern (tested, NaN payloads included),
@@ -452,8 +454,7 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
   const int ng = static_cast<int>(p.layout.groups_per_row);
   const std::int64_t blocks = (rows + kRowChunk - 1) / kRowChunk;
   // Row r of the next block is (mostly) next_block elements after row r of this one.
-  const char* xb = static_cast<const char*>(x);
-  constexpr std::size_t esz = kT == DType::kF32 ? 4 : 2;
+  constexpr std::int64_t esz = kT == DType::kF32 ? 4 : 2;
   const std::int64_t next_block = std::int64_t{kRowChunk} * d;
   const std::size_t row_bytes = static_cast<std::size_t>(d) * esz;
 #if defined(KVSCOPE_CPU_AVX512)
@@ -561,7 +562,7 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
         const float *sk = s.data(), *zk = z.data(), *dk = div.data(), *rk = rcp.data();
         const std::uint8_t* uk = usable.data();
         for (int r = 0; r < nr; ++r) {
-          prefetch_bytes(xb + (offsets[r] + next_block) * esz, row_bytes);
+          prefetch_bytes(x, (offsets[r] + next_block) * esz, row_bytes);
           std::uint8_t* codes = codes_row<kFake>(p, o, r0 + r);
           float* out = out_row<kFake>(o, offsets[r]);
           const int k0 = r * ng;
@@ -597,7 +598,7 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
 #endif
       for (int r = 0; r < nr; ++r) {
         const std::int64_t row = r0 + r, off = offsets[r];
-        prefetch_bytes(xb + (off + next_block) * esz, row_bytes);
+        prefetch_bytes(x, (off + next_block) * esz, row_bytes);
         for (int g = 0; g < ng; ++g) {
           const int i0 = g * G, n = std::min(d - i0, G), k = r * ng + g;
           encode_span(xr[r] + i0, n, quant_math::encode_divisor(s[k]), z[k], p.lo, p.hi, q.data() + i0);
@@ -677,8 +678,7 @@ void quantize_per_channel(const Plan& p, const void* x, const QuantOut& o) {
   const std::int64_t G = p.layout.group_size, ngt = p.layout.groups_per_row;
   const int d = p.shape.head_dim;
   // Row t of the next token group (of the same head) is next_group elements on.
-  const char* xb = static_cast<const char*>(x);
-  constexpr std::size_t esz = kT == DType::kF32 ? 4 : 2;
+  constexpr std::int64_t esz = kT == DType::kF32 ? 4 : 2;
   const std::int64_t next_group = G * d;
   const std::size_t row_bytes = static_cast<std::size_t>(d) * esz;
 #if defined(KVSCOPE_CPU_AVX512)
@@ -753,7 +753,7 @@ void quantize_per_channel(const Plan& p, const void* x, const QuantOut& o) {
       if (o.zeros != nullptr) std::copy(z.begin(), z.end(), o.zeros + hg * d);
       for (std::int64_t t = t0; t < t1; ++t) {
         const std::int64_t off = p.row_offset(h, t);
-        prefetch_bytes(xb + (off + next_group) * esz, row_bytes);
+        prefetch_bytes(x, (off + next_group) * esz, row_bytes);
 #if defined(KVSCOPE_CPU_AVX512)
         const quant_avx512::EachGroup each{s.data(), z.data(), div.data(), rcp.data()};
         if (from_half) {
