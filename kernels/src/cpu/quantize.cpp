@@ -710,7 +710,7 @@ void quantize_per_channel(const Plan& p, const void* x, const QuantOut& o) {
       if constexpr (kT == DType::kF16) {
         from_half = block_rows && quant_avx512::f16_block_min_max(
                                       static_cast<const std::uint16_t*>(x) + p.row_offset(h, t0),
-                                      static_cast<int>(t1 - t0), d, nullptr, mn.data(), mx.data());
+                                      static_cast<int>(t1 - t0), d, mn.data(), mx.data());
       }
       if (block_rows && !from_half) {
         for (std::int64_t t = t0; t < t1; ++t) {

@@ -183,8 +183,8 @@ struct CodeRange {
 };
 
 // The row an encode_span reads: floats, or fp16 converted by vcvtph2ps as it is read
-// (exact for a row without NaN, which is what the callers pass; it saves storing the
-// converted row and reading it back).
+// (exact except that it quiets a signalling NaN, whose code is lo either way; it saves
+// storing the converted row and reading it back).
 struct FloatRow {
   const float* p;
   __m512 load(int i) const { return _mm512_loadu_ps(p + i); }
@@ -373,20 +373,17 @@ inline void column_min_max(const float* block, int rows, int d, float* mn, float
   }
 }
 
-// column_min_max of an fp16 block of `rows` consecutive rows of d at p, converted on
-// the way into block unless it is null (one pass over the input instead of a
-// conversion pass and a statistics pass). Returns false when the first row, which
+// column_min_max of an fp16 block of `rows` consecutive rows of d at p, read straight
+// from the input (no float copy of the block). Returns false when the first row, which
 // seeds the accumulators, may hold a NaN (see f16_lane_min_max: a NaN in a later row
 // changes no statistic and encodes as lo); the caller then converts the block with its
 // bit-exact path.
-inline bool f16_block_min_max(const std::uint16_t* p, int rows, int d, float* block, float* mn, float* mx) {
+inline bool f16_block_min_max(const std::uint16_t* p, int rows, int d, float* mn, float* mx) {
   __m512 sum = _mm512_setzero_ps();
   for (int i = 0; i < d; i += kStep) {
     const auto load = [&](int t) {
       const std::ptrdiff_t at = static_cast<std::ptrdiff_t>(t) * d + i;
-      const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + at)));
-      if (block != nullptr) _mm512_storeu_ps(block + at, f);
-      return f;
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + at)));
     };
     __m512 a = load(0), b = a;
     sum = _mm512_add_ps(sum, a);
