@@ -463,13 +463,9 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
   // Every group is whole 16-element steps: statistics as quant_avx512::lane_min_max.
   const bool vector_stats = G % quant_avx512::kStep == 0 && d % quant_avx512::kStep == 0;
   // Several groups per row, each whole steps (KIVI values: G = 32 of 128): a row whose
-  // groups all take the reciprocal is encoded in one span, group_of[step] giving each
-  // step's group, rather than a short span per group.
+  // groups all take the reciprocal is encoded in one span (quant_avx512::StepGroups),
+  // rather than a short span per group.
   const bool step_rows = G % quant_avx512::kStep == 0 && ng > 1;
-  std::vector<int> group_of(
-      step_rows ? static_cast<std::size_t>((d + quant_avx512::kStep - 1) / quant_avx512::kStep) : 0);
-  for (std::size_t j = 0; j < group_of.size(); ++j)
-    group_of[j] = static_cast<int>(j) * quant_avx512::kStep / G;
 #endif
 #pragma omp parallel if (p.parallel)
   {
@@ -509,16 +505,14 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
             if constexpr (kT == DType::kF16) {
               // Converted into row_buf on the way. (Encoding from the fp16 row instead, as
               // the per-channel kernel does, was 20 % slower here.)
-              if (quant_avx512::f16_lane_min_max_any<kFold>(static_cast<const std::uint16_t*>(x) + offsets[r],
-                                                            d, G, row_buf, amn, amx)) {
+              const quant_avx512::F16RowCopy row{static_cast<const std::uint16_t*>(x) + offsets[r], row_buf};
+              if (quant_avx512::no_nan(quant_avx512::lane_min_max_any<kFold>(row, d, G, amn, amx))) {
                 xr[r] = row_buf;
                 continue;
               }
             }
             xr[r] = row_as_float<kT>(x, offsets[r], d, row_buf);
-            quant_avx512::lane_min_max(xr[r], d, G, amn, amx);
-            quant_avx512::fold_groups<false, kFold>(amn, ng);
-            quant_avx512::fold_groups<true, kFold>(amx, ng);
+            (void)quant_avx512::lane_min_max_any<kFold>(quant_avx512::FloatRow{xr[r]}, d, G, amn, amx);
           }
           quant_avx512::reduce_groups<false, kFold>(lane_mn.data(), nr * ng, mn.data());
           quant_avx512::reduce_groups<true, kFold>(lane_mx.data(), nr * ng, mx.data());
@@ -573,11 +567,12 @@ void quantize_per_token(const Plan& p, const void* x, const QuantOut& o) {
             const auto with_steps = [&](auto spg) {
               quant_avx512::encode_span<kBits, kFake>(
                   row, 0, d,
-                  quant_avx512::StepGroups<decltype(spg)::value>{sk + k0, zk + k0, dk + k0, rk + k0,
-                                                                 group_of.data()},
-                  true, range, codes, out);
+                  quant_avx512::StepGroups<decltype(spg)::value>{sk + k0, zk + k0, dk + k0, rk + k0, G}, true,
+                  range, codes, out);
             };
-            if (G == 2 * quant_avx512::kStep) {
+            if (G == quant_avx512::kStep) {
+              with_steps(std::integral_constant<int, 1>{});
+            } else if (G == 2 * quant_avx512::kStep) {
               with_steps(std::integral_constant<int, 2>{});
             } else if (G == 4 * quant_avx512::kStep) {
               with_steps(std::integral_constant<int, 4>{});
@@ -708,9 +703,10 @@ void quantize_per_channel(const Plan& p, const void* x, const QuantOut& o) {
       // it again (from cache) instead of a float copy of the group.
       bool from_half = false;
       if constexpr (kT == DType::kF16) {
-        from_half = block_rows && quant_avx512::f16_block_min_max(
-                                      static_cast<const std::uint16_t*>(x) + p.row_offset(h, t0),
-                                      static_cast<int>(t1 - t0), d, mn.data(), mx.data());
+        from_half = block_rows &&
+                    quant_avx512::no_nan(quant_avx512::column_min_max(
+                        quant_avx512::F16Row{static_cast<const std::uint16_t*>(x) + p.row_offset(h, t0)},
+                        static_cast<int>(t1 - t0), d, mn.data(), mx.data()));
       }
       if (block_rows && !from_half) {
         for (std::int64_t t = t0; t < t1; ++t) {
@@ -718,7 +714,8 @@ void quantize_per_channel(const Plan& p, const void* x, const QuantOut& o) {
           xr = row_as_float<kT>(x, p.row_offset(h, t), d, dst);
           if (xr != dst) std::copy(xr, xr + d, dst);  // fp32 input is not converted
         }
-        quant_avx512::column_min_max(block.data(), static_cast<int>(t1 - t0), d, mn.data(), mx.data());
+        (void)quant_avx512::column_min_max(quant_avx512::FloatRow{block.data()}, static_cast<int>(t1 - t0), d,
+                                           mn.data(), mx.data());
       }
 #endif
       for (std::int64_t t = t0; t < t1; ++t) {

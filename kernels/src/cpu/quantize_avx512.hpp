@@ -130,17 +130,16 @@ struct SpanGroup {
 };
 // Several groups per row, each a whole number of 16-element steps (per-token groups
 // of G, a multiple of 16, smaller than the row): step i / 16 belongs to the row's group
-// (i / 16) / kSpg, with kSpg = G / 16 fixed at compile time, or group_of[i / 16] when
-// kSpg is 0. The zero is always subtracted: x - 0 is x for every non-NaN x, and a NaN
-// encodes as lo either way, so symmetric groups give the same codes.
+// (i / 16) / kSpg, with kSpg = G / 16 fixed at compile time, or i / G when kSpg is 0
+// (uncommon group sizes). The zero is always subtracted: x - 0 is x for every non-NaN
+// x, and a NaN encodes as lo either way, so symmetric groups give the same codes.
 template <int kSpg>
 struct StepGroups {
   const float *scale, *zero, *divisor, *rcp;  // the row's groups
-  const int* group_of;                        // [steps of the row], used when kSpg == 0
+  int G;                                      // used when kSpg == 0
   int group(int i) const {
-    const unsigned step = static_cast<unsigned>(i) / kStep;
-    if constexpr (kSpg > 0) return static_cast<int>(step / kSpg);
-    return group_of[step];
+    if constexpr (kSpg > 0) return static_cast<int>(static_cast<unsigned>(i) / (kStep * kSpg));
+    return i / G;
   }
   __m512 minus_zero(__m512 x, __mmask16, int i) const {
     return _mm512_sub_ps(x, _mm512_set1_ps(zero[group(i)]));
@@ -196,6 +195,17 @@ struct F16Row {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)));
   }
   __m512 load(__mmask16 live, int i) const { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, p + i)); }
+};
+// An fp16 row whose full steps, as the statistics read them, are also stored as floats
+// into dst (for the encoding: reading the fp16 row again there was slower per token).
+struct F16RowCopy {
+  const std::uint16_t* p;
+  float* dst;
+  __m512 load(int i) const {
+    const __m512 f = F16Row{p}.load(i);
+    _mm512_storeu_ps(dst + i, f);
+    return f;
+  }
 };
 
 template <int kBits, bool kFake, typename Group, typename Row>
@@ -341,96 +351,38 @@ inline __m512 fold(const __m512* v) {
   }
 }
 
-// Lane accumulators of the groups of G floats of a row of d (d and G multiples of 16;
-// the last group may be shorter): 16 floats per group g into mn[16 g ...], mx[16 g ...].
-inline void lane_min_max(const float* v, int d, int G, float* mn, float* mx) {
-  for (int i0 = 0, g = 0; i0 < d; i0 += G, ++g) {
-    const int end = i0 + G < d ? i0 + G : d;
-    __m512 a = _mm512_loadu_ps(v + i0), b = a;
-    for (int i = i0 + kStep; i < end; i += kStep) {
-      const __m512 x = _mm512_loadu_ps(v + i);
-      a = min_into(a, x);
-      b = max_into(b, x);
-    }
-    _mm512_storeu_ps(mn + kStep * g, a);
-    _mm512_storeu_ps(mx + kStep * g, b);
-  }
-}
+// NaN in the statistics. With fp16 input, vcvtph2ps quiets signalling NaNs, so a row
+// or block that may hold one where it matters takes the caller's bit-exact conversion.
+// Only the values that seed the accumulators can matter: min_into / max_into (as min_f
+// / max_f) keep the accumulator when the new value is NaN, so a later NaN changes no
+// statistic; its code is lo whether the NaN is quiet or not (the clamp), and no float
+// of the row is copied to the output. The functions below return the sum of the seeding
+// values per lane (one vaddps per group instead of a compare and a mask merge), and
+// no_nan tells whether it is NaN-free. A lane holding both +Inf and -Inf also sums to
+// NaN and takes the exact path (same result, more work); fp16 values cannot overflow
+// the float sum.
+inline bool no_nan(__m512 seed_sum) { return _mm512_cmp_ps_mask(seed_sum, seed_sum, _CMP_UNORD_Q) == 0; }
 
-// Per-channel statistics of a [rows, d] block (rows >= 1, d a multiple of 16): mn[i],
-// mx[i] = min_f / max_f of column i in row order, as quantize.cpp's portable loop, 16
-// columns at a time in registers.
-inline void column_min_max(const float* block, int rows, int d, float* mn, float* mx) {
-  for (int i = 0; i < d; i += kStep) {
-    __m512 a = _mm512_loadu_ps(block + i), b = a;
-    for (int t = 1; t < rows; ++t) {
-      const __m512 x = _mm512_loadu_ps(block + static_cast<std::ptrdiff_t>(t) * d + i);
-      a = min_into(a, x);
-      b = max_into(b, x);
-    }
-    _mm512_storeu_ps(mn + i, a);
-    _mm512_storeu_ps(mx + i, b);
-  }
-}
-
-// column_min_max of an fp16 block of `rows` consecutive rows of d at p, read straight
-// from the input (no float copy of the block). Returns false when the first row, which
-// seeds the accumulators, may hold a NaN (see f16_lane_min_max: a NaN in a later row
-// changes no statistic and encodes as lo); the caller then converts the block with its
-// bit-exact path.
-inline bool f16_block_min_max(const std::uint16_t* p, int rows, int d, float* mn, float* mx) {
+// Lane accumulators of the groups of G elements of a row of d read through `row`
+// (FloatRow, F16RowCopy; d and G multiples of 16, the last group may be shorter): 16
+// floats per group, lane j the min_f / max_f over elements j, j + 16, ... of the group
+// in order. kFold = 2 or 4 (the number of groups of the row a multiple of it): the
+// accumulators of groups kFold j ... kFold j + kFold - 1 leave as one register, the
+// first one or two tree levels of reduce_groups applied while they are in registers,
+// at mn[16 j ...], mx[16 j ...]. kSpg: steps per group (G = 16 kSpg, d a multiple of G)
+// fixed at compile time, so that the group loop is unrolled; 0 for any G. Returns the
+// sum of the seeding steps (no_nan).
+template <int kSpg, int kFold, typename Row>
+[[gnu::always_inline]] inline __m512 lane_min_max(const Row row, int d, int G, float* mn, float* mx) {
   __m512 sum = _mm512_setzero_ps();
-  for (int i = 0; i < d; i += kStep) {
-    const auto load = [&](int t) {
-      const std::ptrdiff_t at = static_cast<std::ptrdiff_t>(t) * d + i;
-      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + at)));
-    };
-    __m512 a = load(0), b = a;
-    sum = _mm512_add_ps(sum, a);
-    for (int t = 1; t < rows; ++t) {
-      const __m512 x = load(t);
-      a = min_into(a, x);
-      b = max_into(b, x);
-    }
-    _mm512_storeu_ps(mn + i, a);
-    _mm512_storeu_ps(mx + i, b);
-  }
-  return _mm512_cmp_ps_mask(sum, sum, _CMP_UNORD_Q) == 0;
-}
-
-// The same for an fp16 row, converted on the way into dst (one pass over the row).
-// Returns false when the row may hold a NaN where it matters: vcvtph2ps quiets
-// signalling NaNs, so the caller then converts the row with its bit-exact path and
-// calls lane_min_max. Only the first step of each group can matter: it seeds the
-// accumulators, and min_into / max_into (as min_f / max_f) keep the accumulator when
-// the new value is NaN, so a later NaN changes no statistic; its code is lo whether the
-// NaN is quiet or not (the clamp), and no float of the row is copied to the output.
-// NaN is detected by a running sum of those steps per lane (one vaddps per group
-// instead of a compare and a mask merge): a NaN makes its lane's sum NaN. So does a
-// lane holding both +Inf and -Inf, which then takes the exact path as well (same
-// result, more work); fp16 values cannot overflow the float sum. kSpg: steps per group
-// (G = 16 kSpg and d a multiple of G) fixed at compile time, so that the group loop is
-// unrolled; 0 for any G.
-// kFold = 2 or 4 (the number of groups of the row a multiple of it): the accumulators
-// of groups kFold j ... kFold j + kFold - 1 leave as one register, the first one or two
-// tree levels of reduce_groups applied while they are in registers (fold_groups), at
-// mn[16 j ...], mx[16 j ...].
-template <int kSpg = 0, int kFold = 1>
-inline bool f16_lane_min_max(const std::uint16_t* p, int d, int G, float* dst, float* mn, float* mx) {
-  __m512 sum = _mm512_setzero_ps();  // of the first step of every group
-  const auto load = [&](int i) {
-    const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)));
-    _mm512_storeu_ps(dst + i, f);
-    return f;
-  };
   // Accumulators of the group at i0 into a, b.
   const auto group = [&](int i0, __m512& a, __m512& b) {
     const int end = kSpg > 0 ? i0 + kSpg * kStep : (i0 + G < d ? i0 + G : d);
-    a = load(i0);
+    a = row.load(i0);
     b = a;
     sum = _mm512_add_ps(sum, a);
     for (int i = i0 + kStep; i < end; i += kStep) {
-      const __m512 x = load(i);
+      const __m512 x = row.load(i);
       a = min_into(a, x);
       b = max_into(b, x);
     }
@@ -441,42 +393,52 @@ inline bool f16_lane_min_max(const std::uint16_t* p, int d, int G, float* dst, f
     _mm512_storeu_ps(mn + kStep * j, fold<false, kFold>(a));
     _mm512_storeu_ps(mx + kStep * j, fold<true, kFold>(b));
   }
-  return _mm512_cmp_ps_mask(sum, sum, _CMP_UNORD_Q) == 0;
+  return sum;
 }
 
-// The first tree levels of the n (a multiple of kFold) lane accumulators acc[16 k ...]
-// in place: groups kFold j ... into one register at acc[16 j ...], as above.
-template <bool kMax, int kFold>
-inline void fold_groups(float* acc, int n) {
-  for (int j = 0; j < n / kFold; ++j) {
-    __m512 v[kFold];
-    for (int k = 0; k < kFold; ++k) v[k] = _mm512_loadu_ps(acc + kStep * (kFold * j + k));
-    _mm512_storeu_ps(acc + kStep * j, fold<kMax, kFold>(v));
-  }
-}
-
-// f16_lane_min_max with the group loop unrolled for the common group sizes.
-template <int kFold>
-inline bool f16_lane_min_max_any(const std::uint16_t* p, int d, int G, float* dst, float* mn, float* mx) {
+// lane_min_max with the group loop unrolled for the common group sizes.
+template <int kFold, typename Row>
+[[gnu::always_inline]] inline __m512 lane_min_max_any(const Row row, int d, int G, float* mn, float* mx) {
   if (d % G == 0) {
     switch (G) {
       case kStep:
-        return f16_lane_min_max<1, kFold>(p, d, G, dst, mn, mx);
+        return lane_min_max<1, kFold>(row, d, G, mn, mx);
       case 2 * kStep:
-        return f16_lane_min_max<2, kFold>(p, d, G, dst, mn, mx);
+        return lane_min_max<2, kFold>(row, d, G, mn, mx);
       case 4 * kStep:
-        return f16_lane_min_max<4, kFold>(p, d, G, dst, mn, mx);
+        return lane_min_max<4, kFold>(row, d, G, mn, mx);
       case 8 * kStep:
-        return f16_lane_min_max<8, kFold>(p, d, G, dst, mn, mx);
+        return lane_min_max<8, kFold>(row, d, G, mn, mx);
       default:
         break;
     }
   }
-  return f16_lane_min_max<0, kFold>(p, d, G, dst, mn, mx);
+  return lane_min_max<0, kFold>(row, d, G, mn, mx);
+}
+
+// Per-channel statistics of a [rows, d] block read through `block` (FloatRow, F16Row;
+// rows >= 1, d a multiple of 16): mn[i], mx[i] = min_f / max_f of column i in row order,
+// as quantize.cpp's portable loop, 16 columns at a time in registers. Returns the sum
+// of the seeding (first) row (no_nan).
+template <typename Block>
+inline __m512 column_min_max(const Block block, int rows, int d, float* mn, float* mx) {
+  __m512 sum = _mm512_setzero_ps();
+  for (int i = 0; i < d; i += kStep) {
+    __m512 a = block.load(i), b = a;
+    sum = _mm512_add_ps(sum, a);
+    for (int t = 1; t < rows; ++t) {
+      const __m512 x = block.load(t * d + i);
+      a = min_into(a, x);
+      b = max_into(b, x);
+    }
+    _mm512_storeu_ps(mn + i, a);
+    _mm512_storeu_ps(mx + i, b);
+  }
+  return sum;
 }
 
 // out[k] = tree reduction of the 16 lane accumulators acc[16 k ...], k < n; kFold > 1:
-// acc holds them folded (n a multiple of kFold, the first levels done: fold_groups).
+// acc holds them folded (n a multiple of kFold, the first levels done: lane_min_max).
 template <bool kMax, int kFold = 1>
 inline void reduce_groups(const float* acc, int n, float* out) {
   const __m512i l1 = tree_lanes1();
