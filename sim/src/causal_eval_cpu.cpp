@@ -12,6 +12,7 @@
 #include <cmath>
 
 #include "evaluation.hpp"
+#include "kvscope/kernels/blas_runtime.hpp"
 #include "row_math.hpp"  // kernels/src/cpu: the kernels' vectorisable exp, so both paths share it
 
 namespace kvscope::sim {
@@ -42,7 +43,7 @@ void evaluate_prefill_rows_cpu(const PrefillProblem& p, EvalScratch& s, RowMetri
   const int R = S * G;  // query rows, r = s * G + j
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const std::size_t n_rows = static_cast<std::size_t>(R), n_cols = static_cast<std::size_t>(N);
-  kernels::cpu::rowmath::set_blas_single_threaded();
+  kernels::pin_blas_to_one_thread();
   s.q.resize(n_rows * D);
   for (int st = 0; st < S; ++st)
     std::copy_n(p.q + static_cast<std::size_t>(st) * p.q_step_stride, static_cast<std::size_t>(G) * D,

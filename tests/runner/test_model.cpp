@@ -1,6 +1,10 @@
 // The CPU runner against the PyTorch reference (logits, generation, layer-0 Q/K/V), KV-cache decode against
 // full recompute, and the cache hook (no-op, eviction, merge bias).
+#include <cblas.h>
+
+#include <algorithm>
 #include <cmath>
+#include <thread>
 
 #include "kvscope/runner/error.hpp"
 #include "kvscope/runner/model.hpp"
@@ -218,6 +222,22 @@ TEST(CacheHook, KeepingEverythingChangesNothing) {
   EXPECT_EQ(hook.steps, plain.decode_steps);
 }
 
+// Every product runs on one BLAS thread whatever the caller left set: OpenBLAS's Haswell and Zen kernels
+// round differently when threads split a product, which once made the first run of a process (vision front
+// end on the default thread count) differ from later ones. Fails without the pinning under
+// OPENBLAS_CORETYPE=Haswell or Zen; the SkylakeX kernels agree either way.
+TEST(CacheHook, RunsAreIndependentOfTheBlasThreadsTheCallerSet) {
+  Model model = Model::load(testing::fixture_dir("linear").string());
+  const Prompt p = model.build_prompt({render_scene(1).image}, "where is the red circle ?");
+  openblas_set_num_threads(static_cast<int>(std::max(2u, std::thread::hardware_concurrency())));
+  const Generation many = run(model, p, nullptr);
+  EXPECT_EQ(openblas_get_num_threads(), 1);
+  openblas_set_num_threads(1);
+  const Generation one = run(model, p, nullptr);
+  EXPECT_EQ(many.tokens, one.tokens);
+  EXPECT_EQ(many.logits, one.logits);  // bit-identical
+}
+
 TEST(CacheHook, EvictingVisionChangesDecodeLogits) {
   Model model = Model::load(testing::fixture_dir("none").string());
   const Prompt p = model.build_prompt({render_scene(1).image}, "where is the red circle ?");
@@ -281,7 +301,8 @@ namespace {
 // that a decode step is cheaper than a prefill of the whole prompt (the cache is really used).
 TEST(Timing, PrefillAndDecodeOnFixture) {
   Model model = Model::load(testing::fixture_dir("none").string());
-  const Prompt p = model.build_prompt({render_scene(3).image, render_scene(8).image}, "which image has more shapes ?");
+  const Prompt p =
+      model.build_prompt({render_scene(3).image, render_scene(8).image}, "which image has more shapes ?");
   GenerateOptions opt;
   opt.max_new = 16;
   double best_prefill = 1e30, best_decode = 1e30;
@@ -292,8 +313,8 @@ TEST(Timing, PrefillAndDecodeOnFixture) {
     best_decode = std::min(best_decode, g.decode_ms / std::max(1, g.decode_steps));
     steps = g.decode_steps;
   }
-  std::printf("[timing] prefill %d tokens: %.3f ms; decode: %.4f ms/step over %d steps (best of 5)\n", p.size(),
-              best_prefill, best_decode, steps);
+  std::printf("[timing] prefill %d tokens: %.3f ms; decode: %.4f ms/step over %d steps (best of 5)\n",
+              p.size(), best_prefill, best_decode, steps);
   RecordProperty("prefill_ms", std::to_string(best_prefill));
   RecordProperty("decode_ms_per_step", std::to_string(best_decode));
   EXPECT_LT(best_decode, best_prefill);

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 
+#include "kvscope/kernels/blas_runtime.hpp"
 #include "kvscope/runner/backend.hpp"
 #include "rope.hpp"
 
@@ -66,8 +67,9 @@ class CpuBackend final : public DecoderBackend {
 
   void forward(const ForwardRequest& req, KvCache& cache, RunObserver* obs,
                std::vector<float>& logits) override {
-    // Parallelism comes from OpenMP over heads; BLAS runs single-threaded inside (tiny matrices).
-    if (openblas_get_num_threads() != 1) openblas_set_num_threads(1);
+    // Parallelism comes from OpenMP over heads; BLAS runs on one thread inside, which also makes every
+    // product independent of the BLAS kernel's thread split (kernels::pin_blas_to_one_thread).
+    kernels::pin_blas_to_one_thread();
     const int t = req.num_tokens, d = c_.hidden_size, dh = c_.head_dim, hq = c_.num_q_heads,
               hkv = c_.num_kv_heads;
     const int inter = c_.intermediate_size;

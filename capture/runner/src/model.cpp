@@ -8,6 +8,7 @@
 #include <cmath>
 #include <filesystem>
 
+#include "kvscope/kernels/blas_runtime.hpp"
 #include "kvscope/runner/error.hpp"
 #include "kvscope/runner/safetensors.hpp"
 
@@ -20,9 +21,11 @@ double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
-// y [n, out] = x [n, in] W^T + b.
+// y [n, out] = x [n, in] W^T + b, on one BLAS thread like every product of the runner
+// (kernels::pin_blas_to_one_thread: with more threads some BLAS kernels round differently).
 void affine(const float* x, const std::vector<float>& w, const std::vector<float>& b, int n, int out, int in,
             float* y) {
+  kernels::pin_blas_to_one_thread();
   for (int i = 0; i < n; ++i) std::copy(b.begin(), b.end(), y + static_cast<std::size_t>(i) * out);
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, out, in, 1.0f, x, in, w.data(), in, 1.0f, y, out);
 }

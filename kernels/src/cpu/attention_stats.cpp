@@ -3,14 +3,12 @@
 // single-threaded cblas_sgemm on fp32 copies of Q and K (K converted once per kv
 // head, Tk' = the last key any row of the block can see), then each row is masked
 // and soft-maxed in place (fp32, max subtracted, vectorised exp). OpenMP runs the
-// blocks in parallel; OpenBLAS is kept at one thread (set_blas_single_threaded) so
+// blocks in parallel; OpenBLAS is kept at one thread (pin_blas_to_one_thread) so
 // its own pool never competes with the OpenMP team. Per-block accumulators are
 // reduced in block order, so results do not depend on the number of threads.
 #include "kvscope/kernels/attention_stats.hpp"
 
 #include <cblas.h>
-
-#include "simd.hpp"
 
 #include <algorithm>
 #include <bit>
@@ -21,14 +19,15 @@
 #include <string>
 #include <vector>
 
+#include "kvscope/kernels/blas_runtime.hpp"
 #include "kvscope/kernels/nvtx.hpp"
 #include "row_math.hpp"
+#include "simd.hpp"
 
 namespace kvscope::kernels::cpu {
 namespace {
 
 using rowmath::exp_vec;
-using rowmath::set_blas_single_threaded;
 using rowmath::to_float;
 
 using detail::key_limit;
@@ -147,7 +146,7 @@ int wave_heads(const AttentionProblem& a, int q_begin, int q_end) {
 template <typename UseBlock, typename AfterWave>
 void for_each_block(const AttentionProblem& a, int q_begin, int q_end, UseBlock use_block,
                     AfterWave after_wave) {
-  set_blas_single_threaded();
+  pin_blas_to_one_thread();  // sgemm inside OpenMP regions, and results independent of the BLAS kernel
   const int G = a.num_q_heads / a.num_kv_heads;
   const int nblocks = (q_end - q_begin + kQueryBlock - 1) / kQueryBlock;
   const int wave = wave_heads(a, q_begin, q_end);

@@ -8,8 +8,6 @@
 // every compressed cache. Math: docs/kernels/evaluate.md.
 #include "kvscope/kernels/evaluate.hpp"
 
-#include "attention_rows.hpp"
-
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -18,13 +16,14 @@
 #include <string>
 #include <vector>
 
+#include "attention_rows.hpp"
+#include "kvscope/kernels/blas_runtime.hpp"
 #include "kvscope/kernels/nvtx.hpp"
 #include "row_math.hpp"
 
 namespace kvscope::kernels::cpu {
 namespace {
 
-using rowmath::set_blas_single_threaded;
 using rowmath::to_float;
 
 constexpr int kRowBlock = 64;  // query rows per work item
@@ -66,7 +65,7 @@ class FloatSpan {
 // global row of local row r is h * M + r0 + r.
 template <typename Body>
 void for_each_row_block(const EvaluateParams& p, Body body) {
-  set_blas_single_threaded();
+  pin_blas_to_one_thread();  // sgemm inside OpenMP regions, and results independent of the BLAS kernel
   const int Hkv = p.num_kv_heads;
   const int M = (p.num_q_heads / Hkv) * p.num_queries;
   const int blocks_per_head = (M + kRowBlock - 1) / kRowBlock;

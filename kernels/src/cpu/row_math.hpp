@@ -16,13 +16,6 @@
 
 namespace kvscope::kernels::cpu::rowmath {
 
-// The kernels call sgemm from inside OpenMP parallel regions: OpenBLAS (pthread
-// build) must not start its own threads there. Process-wide setting, re-applied on
-// every launcher call in case someone else raised it in between.
-inline void set_blas_single_threaded() {
-  if (openblas_get_num_threads() != 1) openblas_set_num_threads(1);
-}
-
 // exp(x) for a vectorisable loop (no libm call): Cody-Waite range reduction
 // x = n ln2 + r, a degree-6 polynomial for exp(r) on |r| <= ln2 / 2 and 2^n from the
 // exponent bits. Relative error below 2e-7 on [-87, 88]; exp(x) = 0 for x < -87

@@ -22,4 +22,14 @@ void use_fast_blas_runtime(char** argv, const BlasRuntimeOptions& options = {});
 // The OpenBLAS core in use ("SkylakeX", "Haswell", "Prescott", ...).
 const char* blas_core_name();
 
+// Makes OpenBLAS run every product on the calling thread (a process-wide setting; cheap when
+// already set). Every sgemm in kvscope runs this way, called before each product from outside
+// OpenMP parallel regions: OpenBLAS's Haswell and Zen kernels (chosen on AMD CPUs and with
+// OPENBLAS_CORETYPE=Haswell/Zen) give results that depend on how many threads split a product
+// (1 vs 2 threads: about a third of a [64, 192] x [192, 48] product's elements differ in the
+// last bits; the SkylakeX kernels do not), so with a fixed single thread every product is a
+// function of its operands and shape alone, whatever the BLAS kernel, and two runs of the same
+// computation agree bit for bit. Parallelism comes from OpenMP around the products.
+void pin_blas_to_one_thread();
+
 }  // namespace kvscope::kernels
