@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <csignal>
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
@@ -15,6 +16,7 @@
 
 #include "kvscope/capture/capture.hpp"
 #include "kvscope_capture.h"
+#include "scratch.hpp"
 
 namespace kvscope::testing {
 
@@ -91,14 +93,10 @@ class CaptureTest : public ::testing::Test {
  protected:
   void SetUp() override {
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ =
-        std::filesystem::temp_directory_path() / ("kvscope_capture_" + std::string(info->test_suite_name()) +
-                                                  "_" + info->name() + "_" + std::to_string(::getpid()));
-    std::filesystem::remove_all(dir_);
-    std::filesystem::create_directories(dir_);
-  }
-  void TearDown() override {
-    if (!HasFailure()) std::filesystem::remove_all(dir_);
+    // Parameterised suites and tests have a '/' in their names: one directory level, not two.
+    std::string name = std::string(info->test_suite_name()) + "_" + info->name();
+    std::replace(name.begin(), name.end(), '/', '_');
+    dir_ = kvscope::testing::scratch_dir(name);
   }
   std::string path(const std::string& name) const { return (dir_ / name).string(); }
   std::filesystem::path dir_;

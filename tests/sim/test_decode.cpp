@@ -13,6 +13,7 @@
 #include "kvscope/sim/engine.hpp"
 #include "kvscope/sim/sweep.hpp"
 #include "kvscope/synth/synth.hpp"
+#include "scratch.hpp"
 
 namespace fs = std::filesystem;
 using namespace kvscope;
@@ -23,8 +24,7 @@ namespace {
 // T = 1 + 40 + 145 = 186 context tokens (144 vision), 12 decode steps, 4 layers, 2 kv heads, D = 32.
 const std::string& trace_path() {
   static const std::string path = [] {
-    const fs::path dir = fs::temp_directory_path() / ("kvscope_decode_test_" + std::to_string(::getpid()));
-    fs::create_directories(dir);
+    const fs::path dir = kvscope::testing::scratch_dir();
     const std::string p = (dir / "decode.h5").string();
     synth::SynthOptions o;
     o.preset = "tiny";
@@ -115,7 +115,7 @@ TEST(Decode, EvictionsHappenOnlyEveryIntervalSteps) {
 
 TEST(Decode, ForcedTokensSurviveEveryStep) {
   PolicyRegistry reg;
-  const fs::path ini = fs::temp_directory_path() / ("kvscope_decode_forced_" + std::to_string(::getpid()) + ".ini");
+  const fs::path ini = kvscope::testing::scratch_dir() / "forced.ini";
   std::ofstream(ini) << "[policy rnd-forced]\nbase = random\nsinks = 4\nrecent = 6\nmode = decode\ncap = 40tok\n";
   reg.load_ini(ini.string());
   const PolicySpec p = reg.get("rnd-forced");
@@ -145,7 +145,7 @@ TEST(Decode, H2OBeatsRandomOnOutputError) {
 
 TEST(Decode, FixedCapWithPrefillBudgetStartsCompressed) {
   PolicyRegistry reg;
-  const fs::path ini = fs::temp_directory_path() / ("kvscope_decode_cap_" + std::to_string(::getpid()) + ".ini");
+  const fs::path ini = kvscope::testing::scratch_dir() / "cap.ini";
   std::ofstream(ini) << "[policy h2o-cap]\nbase = h2o\nmode = decode\ncap = 0.5\ninterval = 2\n";
   reg.load_ini(ini.string());
   const auto r = sweep({"h2o-cap@0.3", "h2o-cap"}, nullptr, reg);
@@ -192,7 +192,7 @@ TEST(Decode, BadSyntaxIsRejectedWithTheValidForm) {
   }
   EXPECT_EQ(reg.get("h2o+int8~decode:4").interval, 4);
   EXPECT_TRUE(reg.get("h2o+int8~decode:4").key_quant.has_value());
-  const fs::path ini = fs::temp_directory_path() / ("kvscope_decode_bad_" + std::to_string(::getpid()) + ".ini");
+  const fs::path ini = kvscope::testing::scratch_dir() / "bad.ini";
   for (const auto& [body, want] : std::vector<std::pair<std::string, std::string>>{
            {"[policy a]\nbase = h2o\nmode = decode\ninterval = 0\n", "interval: 0 is outside"},
            {"[policy a]\nbase = h2o\nmode = decode\ncap = lots\n", "cap: malformed budget"},

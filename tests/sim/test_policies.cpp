@@ -11,6 +11,7 @@
 #include "kvscope/sim/sweep.hpp"
 #include "kvscope/synth/synth.hpp"
 #include "kvscope/trace/writer.hpp"
+#include "scratch.hpp"
 
 namespace fs = std::filesystem;
 using namespace kvscope;
@@ -21,8 +22,7 @@ namespace {
 constexpr int kText = 0, kVision = 1, kSpecial = 3;
 
 std::string make_trace(const std::string& name, int image_tokens, int text, int decode, std::uint64_t seed = 5) {
-  const fs::path dir = fs::temp_directory_path() / ("kvscope_sim_test_" + std::to_string(::getpid()));
-  fs::create_directories(dir);
+  const fs::path dir = kvscope::testing::scratch_dir();
   const std::string path = (dir / (name + ".h5")).string();
   if (!fs::exists(path)) {
     synth::SynthOptions o;
@@ -221,8 +221,7 @@ TEST(Policies, BadInputIsRejectedWithClearMessages) {
 }
 
 TEST(Policies, IniPoliciesBuildFromStagesAndRejectMistakes) {
-  const fs::path dir = fs::temp_directory_path() / ("kvscope_ini_" + std::to_string(::getpid()));
-  fs::create_directories(dir);
+  const fs::path dir = kvscope::testing::scratch_dir("ini");
   const std::string good = (dir / "good.ini").string();
   std::ofstream(good) << "# my policies\n[policy my-h2o]\nbase = h2o\nsinks = 4\nrecent_fraction = 0.25\nquant = int8\n";
   PolicyRegistry reg;
@@ -258,8 +257,7 @@ TEST(Policies, IniPoliciesBuildFromStagesAndRejectMistakes) {
 }
 
 TEST(Policies, TraceWithoutDecodeQueriesIsRejected) {
-  const fs::path dir = fs::temp_directory_path() / ("kvscope_nodecode_" + std::to_string(::getpid()));
-  fs::create_directories(dir);
+  const fs::path dir = kvscope::testing::scratch_dir("nodecode");
   const std::string path = (dir / "nodecode.h5").string();
   synth::SynthOptions o;
   o.dtype = trace::DType::kF32;

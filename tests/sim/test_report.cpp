@@ -17,6 +17,7 @@
 #include "kvscope/sim/pareto.hpp"
 #include "kvscope/sim/report.hpp"
 #include "sim/sample_results.hpp"
+#include "scratch.hpp"
 
 namespace fs = std::filesystem;
 using namespace kvscope;
@@ -27,8 +28,7 @@ namespace {
 
 // A fresh directory per test under the system temp dir.
 fs::path temp_dir(const std::string& name) {
-  const fs::path d =
-      fs::temp_directory_path() / ("kvscope_test_report_" + name + "_" + std::to_string(::getpid()));
+  const fs::path d = kvscope::testing::scratch_dir(name);
   fs::remove_all(d);
   fs::create_directories(d);
   return d;

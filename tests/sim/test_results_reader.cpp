@@ -10,15 +10,13 @@
 
 #include "kvscope/sim/results_reader.hpp"
 #include "sim/sample_results.hpp"
+#include "scratch.hpp"
 
 namespace kvscope::sim {
 namespace {
 
 std::string temp_path(const std::string& name) {
-  const auto dir =
-      std::filesystem::temp_directory_path() / ("kvscope_results_reader_" + std::to_string(getpid()));
-  std::filesystem::create_directories(dir);
-  return (dir / name).string();
+  return (kvscope::testing::scratch_dir() / name).string();
 }
 
 void expect_bytes_eq(const Bytes& a, const Bytes& b) {

@@ -10,6 +10,7 @@
 #include "kvscope/trace/reader.hpp"
 #include "kvscope/trace/validate.hpp"
 #include "kvscope/trace/writer.hpp"
+#include "scratch.hpp"
 
 namespace fs = std::filesystem;
 using namespace kvscope;
@@ -17,11 +18,7 @@ using namespace kvscope::trace;
 
 namespace {
 
-fs::path temp_dir() {
-  fs::path d = fs::temp_directory_path() / ("kvscope_trace_test_" + std::to_string(::getpid()));
-  fs::create_directories(d);
-  return d;
-}
+fs::path temp_dir() { return kvscope::testing::scratch_dir(); }
 
 // A tiny hand-made trace: 2 layers, Hq 4, Hkv 2, D 3, T 5, S 2, values encode their index.
 struct Handmade {

@@ -12,6 +12,7 @@
 #include "layer_jobs.hpp"
 #include "model.hpp"
 #include "sim/sample_results.hpp"
+#include "scratch.hpp"
 
 namespace kvscope::viewer {
 namespace {
@@ -19,10 +20,7 @@ namespace {
 std::string tiny_trace() { return KVSCOPE_TINY_TRACE; }  // set by tests/viewer/CMakeLists.txt
 
 std::string temp_path(const std::string& name) {
-  const auto dir =
-      std::filesystem::temp_directory_path() / ("kvscope_viewer_model_" + std::to_string(getpid()));
-  std::filesystem::create_directories(dir);
-  return (dir / name).string();
+  return (kvscope::testing::scratch_dir() / name).string();
 }
 
 TEST(ViewerModel, LoadsTraceInTheBackground) {
