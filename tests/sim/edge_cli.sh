@@ -43,6 +43,9 @@ works() {  # command...: exit 0, no 'nan' in stdout
 works "$kvsim" info "$dir/t0.h5"
 works "$kvsim" info "$dir/s0.h5"
 grep -q "0 context, 3 decode steps" <("$kvsim" info "$dir/t0.h5") || { echo "FAIL info T = 0 line"; fail=1; }
+# kvsim plan without --policy takes geometry and the request shape: a request of 0 prompt tokens.
+works "$kvsim" plan --trace "$dir/t0.h5" --gpu-mem 24GiB --params 7e9
+works "$kvsim" plan --trace "$dir/s0.h5" --gpu-mem 24GiB --params 7e9
 # Replaying needs T >= 1 and S >= 1: one line naming the file and the command, before any work.
 for cmd in run sweep; do
   p=(--policy h2o@0.5); [[ $cmd == sweep ]] && p=(--policies h2o,full --budgets 0.5)
