@@ -37,10 +37,9 @@ float stride_level(int row, int col) {
 }
 
 // Per-modality budgets that all round to zero tokens would empty the cache, and the selection
-// needs them to sum to k >= 1: the modality with the largest unrounded share (the lower code on
-// a tie, the modality with more tokens, then the lower code) then keeps one token. Returns the
-// budgets' sum, k. (A tiny or single-modality trace at a low keep level, e.g. the oracle's 5% of a
-// 4-token text trace.)
+// needs them to sum to k >= 1: the modality with the largest unrounded share (ties: the one with
+// more tokens, then the lower code) then keeps one token. Returns the budgets' sum, k. (A tiny or
+// single-modality trace at a low keep level, e.g. the oracle's 5% of a 4-token text trace.)
 int budgets_keep_one_token(int* budget, const double* share, const PerModalityCount& tokens) {
   int k = 0;
   for (int m = 0; m < kModalities; ++m) k += budget[m];
