@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <stdexcept>
 
@@ -19,6 +20,7 @@ TraceContext TraceContext::from_reader(const trace::TraceReader& reader) {
   TraceContext c;
   c.geometry = reader.geometry();
   c.dtype = reader.header().dtype;
+  c.source = reader.path();
   c.T = static_cast<int>(reader.num_tokens());
   c.S = static_cast<int>(reader.num_decode_steps());
   const auto& t = reader.tokens();
@@ -44,8 +46,58 @@ const kernels::NeighbourTable& TraceContext::neighbour_lists(int seq_radius, int
   return neighbours.emplace(key, std::move(table)).first->second;
 }
 
+double kernels_value_limit(int tokens, int head_dim) {
+  return std::sqrt(std::ldexp(1.0, 124) / (std::max(1.0, static_cast<double>(tokens)) * std::max(1, head_dim)));
+}
+
+namespace {
+// max |x| over a trace tensor (finite values, as the reader guarantees): the magnitude bits of
+// IEEE floats order like the magnitudes, so this is an integer max over the raw words.
+double max_abs(const trace::Tensor& t) {
+  const std::size_t n = t.numel();
+  if (t.dtype == trace::DType::kF32) {
+    std::uint32_t m = 0;
+    const auto* w = reinterpret_cast<const std::uint32_t*>(t.data.data());
+    for (std::size_t i = 0; i < n; ++i) m = std::max(m, w[i] & 0x7fffffffu);
+    float f;
+    std::memcpy(&f, &m, sizeof f);
+    return f;
+  }
+  std::uint16_t m = 0;
+  const auto* w = reinterpret_cast<const std::uint16_t*>(t.data.data());
+  for (std::size_t i = 0; i < n; ++i) m = std::max<std::uint16_t>(m, w[i] & 0x7fffu);
+  return t.dtype == trace::DType::kF16 ? kernels::half_to_float(m) : kernels::bf16_to_float(m);
+}
+}  // namespace
+
 LayerData::LayerData(int layer, trace::LayerTensors prefill, trace::LayerTensors decode, TraceContext& ctx)
-    : layer_(layer), prefill_(std::move(prefill)), decode_(std::move(decode)), ctx_(ctx) {}
+    : layer_(layer), prefill_(std::move(prefill)), decode_(std::move(decode)), ctx_(ctx) {
+  // Range check (cheap: an integer max over the raw words, next to the float copy's conversion).
+  const int tokens = ctx_.T + ctx_.S, D = ctx_.geometry.head_dim;
+  const double limit = kernels_value_limit(tokens, D);
+  double worst = 0;
+  std::string where;
+  for (int part = 0; part < 2; ++part) {
+    const trace::LayerTensors& lt = part == 0 ? prefill_ : decode_;
+    const std::string group = part == 0 ? trace::layer_group_name(layer) : trace::decode_layer_group_name(layer);
+    for (const auto& [name, t] : {std::pair<const char*, const trace::Tensor*>{"q", &lt.q}, {"k", &lt.k}, {"v", &lt.v}}) {
+      const double a = max_abs(*t);
+      if (a > worst) {
+        worst = a;
+        where = group + "/" + name;
+      }
+    }
+  }
+  if (worst > limit) {
+    char msg[512];
+    std::snprintf(msg, sizeof msg,
+                  "%s: %s: |x| up to %.3g is outside the range kvsim computes metrics in (max |x| <= %.3g for "
+                  "%d tokens x head_dim %d: tokens x head_dim x max|x|^2 <= 2^124, so that attention logits, "
+                  "norms and sums stay finite in float32); values this large are not a model's KV cache",
+                  ctx_.source.empty() ? "kv cache" : ctx_.source.c_str(), where.c_str(), worst, limit, tokens, D);
+    throw std::runtime_error(msg);
+  }
+}
 
 namespace {
 // Elements [offset, offset + n) of a trace tensor as float32 (fp16 / bf16 widen exactly).

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -447,6 +448,12 @@ void apply_parameter(PolicySpec& p, const std::string& key, const std::string& v
 }  // namespace
 
 void PolicyRegistry::load_ini(const std::string& path) {
+  std::error_code ec;
+  const auto st = std::filesystem::status(path, ec);
+  if (!ec && std::filesystem::exists(st) && !std::filesystem::is_regular_file(st)) {
+    // A FIFO would block the read forever; a directory reads as empty.
+    throw PolicyError(path + ": policy file is not a regular file");
+  }
   std::ifstream in(path);
   if (!in) throw PolicyError(path + ": cannot open policy file");
   struct Section {
@@ -544,7 +551,8 @@ Budget parse_budget(const std::string& raw) {
     throw PolicyError("malformed budget '" + text + "' (use a fraction in (0, 1] like 0.3, tokens like 512tok, or bytes like 64MiB)");
   }
   const std::string unit = lower(trim(text.substr(used)));
-  if (!std::isfinite(x) || x <= 0) throw PolicyError("budget '" + text + "' must be positive");
+  if (!std::isfinite(x)) throw PolicyError("budget '" + text + "' is not a finite number");
+  if (x <= 0) throw PolicyError("budget '" + text + "' must be positive");
   if (unit.empty()) {
     if (x > 1) throw PolicyError("budget fraction '" + text + "' must be in (0, 1] (use 512tok for tokens)");
     b.kind = Budget::Kind::kFraction;

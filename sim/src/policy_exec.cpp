@@ -36,6 +36,23 @@ float stride_level(int row, int col) {
   return static_cast<float>(level);
 }
 
+// Per-modality budgets that all round to zero tokens would empty the cache, and the selection
+// needs them to sum to k >= 1: the modality with the largest unrounded share (ties: the one with
+// more tokens, then the lower code) then keeps one token. Returns the budgets' sum, k. (A tiny or
+// single-modality trace at a low keep level, e.g. the oracle's 5% of a 4-token text trace.)
+int budgets_keep_one_token(int* budget, const double* share, const PerModalityCount& tokens) {
+  int k = 0;
+  for (int m = 0; m < kModalities; ++m) k += budget[m];
+  if (k > 0) return k;
+  int best = 0;
+  for (int m = 1; m < kModalities; ++m) {
+    const auto i = static_cast<std::size_t>(m), b = static_cast<std::size_t>(best);
+    if (share[m] > share[best] || (share[m] == share[best] && tokens[i] > tokens[b])) best = m;
+  }
+  budget[best] = 1;
+  return 1;
+}
+
 }  // namespace
 
 double unicache_rate(const UniCacheConfig& u, int layer, int num_layers) {
@@ -229,13 +246,13 @@ LayerResult run_policy_on_layer(const PolicySpec& p, double keep, LayerData& L, 
       }
       sp.use_modality_budgets = true;
       sp.redistribute_leftover = false;
-      k = 0;
+      double share[kModalities];
       for (int m = 0; m < kModalities; ++m) {
         const double f = std::clamp(p.layer_modality_keep[static_cast<std::size_t>(layer)][static_cast<std::size_t>(m)], 0.0, 1.0);
-        sp.modality_budget[m] = static_cast<int>(std::lround(f * static_cast<double>(n[static_cast<std::size_t>(m)])));
-        k += sp.modality_budget[m];
+        share[m] = f * static_cast<double>(n[static_cast<std::size_t>(m)]);
+        sp.modality_budget[m] = static_cast<int>(std::lround(share[m]));
       }
-      k = std::max(k, 1);
+      k = budgets_keep_one_token(sp.modality_budget, share, n);
     }
     if (vision_only) {
       // Every non-vision token is kept; the budget left goes to vision.
@@ -290,14 +307,12 @@ LayerResult run_policy_on_layer(const PolicySpec& p, double keep, LayerData& L, 
         }
       }
       sp.use_modality_budgets = true;
-      int total = 0;
+      double share[kModalities];
       for (int m = 0; m < kModalities; ++m) {
-        const double nm = static_cast<double>(n[static_cast<std::size_t>(m)]);
-        const int km = static_cast<int>(std::lround(nm * (1.0 - mod_rate[static_cast<std::size_t>(m)])));
-        sp.modality_budget[m] = km;
-        total += km;
+        share[m] = static_cast<double>(n[static_cast<std::size_t>(m)]) * (1.0 - mod_rate[static_cast<std::size_t>(m)]);
+        sp.modality_budget[m] = static_cast<int>(std::lround(share[m]));
       }
-      k = std::max(1, total);
+      k = budgets_keep_one_token(sp.modality_budget, share, n);
       // Alignment protection: tokens whose cross-modal attention share exceeds the threshold
       // get a discounted rate: the best (1 - discount * rate) of them are always kept.
       const auto& given = L.cross_given();

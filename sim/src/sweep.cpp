@@ -297,17 +297,68 @@ void run_oracle(const trace::TraceReader& reader, const OracleOptions& o, TraceC
 
 }  // namespace
 
+namespace {
+// The first metric of `q` that is not finite, or nullptr.
+const char* non_finite_metric(const Quality& q) {
+  if (!std::isfinite(q.output_error)) return "output error";
+  if (!std::isfinite(q.attention_recall)) return "attention recall";
+  if (!std::isfinite(q.kl)) return "KL";
+  if (!std::isfinite(q.entropy_delta)) return "entropy change";
+  for (int m = 0; m < kModalities; ++m) {
+    const auto i = static_cast<std::size_t>(m);
+    if (!std::isfinite(q.recall_modality[i])) return "recall per modality";
+    if (!std::isfinite(q.share_before[i])) return "modality share before";
+    if (!std::isfinite(q.share_after[i])) return "modality share after";
+  }
+  return nullptr;
+}
+}  // namespace
+
+void check_finite(const SweepOutput& out, const std::string& source) {
+  for (const auto& pt : out.points) {
+    const std::string head = source + ": " + pt.policy + "@" + pt.budget + ": ";
+    for (const auto& l : pt.layers) {
+      const std::string at = head + "layer " + std::to_string(l.layer);
+      for (const auto& h : l.heads) {
+        if (const char* m = non_finite_metric(h.quality)) {
+          throw std::runtime_error(at + ", kv head " + std::to_string(h.kv_head) + ": the " + m +
+                                   " is not finite; no results are written");
+        }
+      }
+      for (std::size_t h = 0; h < l.token_maps.size(); ++h) {
+        for (float x : l.token_maps[h].score) {
+          if (!std::isfinite(x)) {
+            throw std::runtime_error(at + ", kv head " + std::to_string(h) +
+                                     ": a token score is not finite; no results are written");
+          }
+        }
+      }
+      if (const char* m = non_finite_metric(l.total.quality))
+        throw std::runtime_error(at + ": the " + std::string(m) + " is not finite; no results are written");
+    }
+    if (const char* m = non_finite_metric(pt.total.quality))
+      throw std::runtime_error(head + "the " + std::string(m) + " is not finite; no results are written");
+  }
+}
+
+void require_replayable(const trace::TraceReader& reader, const std::string& who) {
+  if (reader.num_tokens() == 0) {
+    throw std::runtime_error(reader.path() + ": the trace has T = 0 context tokens; " + who +
+                             " needs at least one (there is no KV cache to compress)");
+  }
+  if (reader.num_decode_steps() == 0) {
+    throw std::runtime_error(reader.path() + ": the trace has S = 0 decode steps; " + who +
+                             " needs at least one (the decode queries are the evaluation queries): capture "
+                             "with kvcap run --max-new N or kvcap synth --decode N");
+  }
+}
+
 SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepPoint>& points,
                       const SweepOptions& options) {
   SweepOutput out;
   TraceContext ctx = TraceContext::from_reader(reader);
   if (options.backend) ctx.backend = options.backend;
-  if (ctx.S == 0) {
-    throw std::runtime_error(reader.path() +
-                             ": the trace has no decode steps (/decode/tokens/token_id is empty), so there are no "
-                             "evaluation queries to measure quality on; capture at least one generated token "
-                             "(kvcap run --max-new N, or kvcap synth --decode N)");
-  }
+  require_replayable(reader, "replaying a trace");
   const int L = ctx.geometry.num_layers;
   out.points.resize(points.size());
   std::vector<double> keep(points.size(), 1.0), cap(points.size(), 1.0);
@@ -410,6 +461,7 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
     if (warn[i].size() > 1) line += " (and " + std::to_string(warn[i].size() - 1) + " more layers)";
     out.warnings.push_back(line);
   }
+  check_finite(out, reader.path());
   return out;
 }
 

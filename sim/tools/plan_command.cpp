@@ -164,6 +164,7 @@ sim::KeepRatios measured_ratios(const std::string& text, const std::string& trac
     throw sim::PlanError("policy", e.what());
   }
   trace::TraceReader reader(trace_path);
+  sim::require_replayable(reader, "kvsim plan --policy");
   const sim::SweepOutput out = sim::run_sweep(reader, {point}, sim::SweepOptions{});
   const sim::HeadResult& t = out.points.at(0).total;
   sim::KeepRatios k;

@@ -2,6 +2,7 @@
 
 #include <boost/program_options.hpp>
 
+#include <algorithm>
 #include <iostream>
 #include <memory>
 #include <sstream>
@@ -26,12 +27,20 @@ constexpr const char* kDefaultPolicies =
     "adaptive,int8,int4,kivi2,h2o+int8,snapkv+int4";
 constexpr const char* kDefaultBudgets = "0.1:0.9:0.1";
 
+// Items of a comma-separated --policies list; an empty item (a,,b or a trailing comma) is an error.
 std::vector<std::string> split(const std::string& s) {
   std::vector<std::string> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    if (!item.empty()) out.push_back(item);
+  if (s.find_first_not_of(" \t,") == std::string::npos) return out;  // reported as an empty list
+  std::size_t start = 0;
+  while (true) {
+    const std::size_t end = std::min(s.find(',', start), s.size());
+    const std::string item = s.substr(start, end - start);
+    if (item.find_first_not_of(" \t") == std::string::npos) {
+      throw PolicyError("empty item in --policies '" + s + "'");
+    }
+    out.push_back(item);
+    if (end == s.size()) break;
+    start = end + 1;
   }
   return out;
 }
@@ -163,6 +172,7 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
   }
   try {
     trace::TraceReader reader(vm["trace"].as<std::string>());
+    require_replayable(reader, name);
     const TraceSummary summary = summarize(reader);
     SweepOptions so;
     so.backend = backend;

@@ -223,6 +223,45 @@ TEST(EvaluateCpu, NullOutputsAreSkipped) {
   EXPECT_TRUE(all_close(recall, ref.recall, 1e-6, 1e-5, "recall only"));
 }
 
+// Values whose attention logits or sums overflow float32 give no NaN or infinite metric: the call
+// fails (the common path pays one isfinite per row). float32 q, k of 1e30: q . k ~ 1e60.
+TEST(EvaluateCpu, NonFiniteMetricsFailTheCall) {
+  for (int which = 0; which < 3; ++which) {
+    EvalProblem pr = make_eval_problem(4, 2, 3, 40, 16, 21);
+    if (which == 0) {  // logits overflow on both sides
+      for (auto& x : pr.q) x *= 1e30f;
+      for (auto& x : pr.k) x *= 1e30f;
+      for (auto& x : pr.slot_k) x *= 1e30f;
+    }
+    if (which == 1) {  // only the compressed cache's keys
+      for (auto& x : pr.q) x *= 1e19f;
+      for (auto& x : pr.slot_k) x *= 1e20f;
+    }
+    if (which == 2) {  // values: the unnormalised compressed sum o~ overflows
+      for (auto& x : pr.v) x *= 3e38f / 4;
+      for (auto& x : pr.slot_v) x = x >= 0 ? 3.3e38f : -3.3e38f;
+    }
+    EvalResult r(static_cast<std::size_t>(pr.params.num_q_heads) * pr.params.num_queries);
+    const kk::Status s =
+        kk::cpu::evaluate_attention(pr.params, pr.q.data(), pr.k.data(), pr.v.data(), pr.modality.data(),
+                                    pr.cache(), r.outputs());
+    EXPECT_FALSE(s.ok()) << "case " << which;
+    EXPECT_NE(s.message().find("a metric is not finite in float32"), std::string::npos) << s.message();
+  }
+  // The full-cache side alone.
+  EvalProblem pr = make_eval_problem(2, 1, 2, 30, 8, 22);
+  for (auto& x : pr.q) x *= 1e30f;
+  for (auto& x : pr.k) x *= 1e30f;
+  const std::size_t rows = 4;
+  std::vector<float> probs(rows * 30), output(rows * 8), entropy(rows);
+  const kk::Status s = kk::cpu::full_attention(pr.params, pr.q.data(), pr.k.data(), pr.v.data(), nullptr,
+                                               {probs.data(), output.data(), entropy.data(), nullptr});
+  EXPECT_FALSE(s.ok());
+  EXPECT_EQ(s.message(), std::string("full_attention: a metric is not finite in float32 (attention logits, norms "
+                                     "or sums overflow: inputs outside the range this kernel computes in; "
+                                     "outputs undefined)"));
+}
+
 TEST(EvaluateCpu, RejectsBadArguments) {
   EvalProblem pr = make_eval_problem(4, 2, 2, 12, 8, 4);
   EvalResult r(8);

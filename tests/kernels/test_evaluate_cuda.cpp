@@ -38,13 +38,16 @@ const char* const kNames[7] = {"output_error", "recall",         "kl", "entropy_
                                "mass_full",    "mass_compressed"};
 
 // Runs both backends on `pr` (q, k, v given in params.dtype as raw bytes) and compares.
-kk::Status compare(const EvalProblem& pr, const void* q, const void* k, const void* v) {
+// cuda_only: the CUDA backend's status alone (no CPU run, no comparison).
+kk::Status compare(const EvalProblem& pr, const void* q, const void* k, const void* v, bool cuda_only = false) {
   const auto& p = pr.params;
   const std::size_t rows = static_cast<std::size_t>(p.num_q_heads) * p.num_queries;
   const std::size_t eb = kk::dtype_bytes(p.dtype);
   Outputs cpu(rows);
-  KVSCOPE_RETURN_IF_ERROR(
-      kk::cpu::evaluate_attention(p, q, k, v, pr.modality.data(), pr.cache(), cpu.ptrs()));
+  if (!cuda_only) {
+    KVSCOPE_RETURN_IF_ERROR(
+        kk::cpu::evaluate_attention(p, q, k, v, pr.modality.data(), pr.cache(), cpu.ptrs()));
+  }
   DeviceVector<std::uint8_t> dq(rows * p.head_dim * eb), dk(pr.k.size() * eb), dv(pr.v.size() * eb);
   EXPECT_EQ(cudaMemcpy(dq.get(), q, dq.size(), cudaMemcpyHostToDevice), cudaSuccess);
   EXPECT_EQ(cudaMemcpy(dk.get(), k, dk.size(), cudaMemcpyHostToDevice), cudaSuccess);
@@ -65,7 +68,7 @@ kk::Status compare(const EvalProblem& pr, const void* q, const void* k, const vo
   const kk::EvaluateOutputs o{dout[0]->get(), dout[1]->get(), dout[2]->get(), dout[3]->get(),
                               dout[4]->get(), dout[5]->get(), dout[6]->get()};
   const kk::Status s = kk::cuda::evaluate_attention(p, dq.get(), dk.get(), dv.get(), dmod.get(), c, o, nullptr);
-  if (s.ok()) {
+  if (s.ok() && !cuda_only) {
     const std::string what = "Hq=" + std::to_string(p.num_q_heads) +
                              " Hkv=" + std::to_string(p.num_kv_heads) +
                              " Nq=" + std::to_string(p.num_queries) + " T=" + std::to_string(p.num_tokens) +
@@ -119,6 +122,18 @@ TEST(EvaluateCuda, Bfloat16InputsAndEmptyHead) {
   const auto qb = encode(pr.q), kb = encode(pr.k), vb = encode(pr.v);
   const kk::Status s = compare(pr, qb.data(), kb.data(), vb.data());
   EXPECT_TRUE(s.ok()) << s.message();
+}
+
+// Same inputs as EvaluateCpu.NonFiniteMetricsFailTheCall: both backends fail with the same message.
+TEST(EvaluateCuda, NonFiniteMetricsFailTheCallLikeTheCpu) {
+  KVSCOPE_REQUIRE_GPU();
+  EvalProblem pr = make_eval_problem(4, 2, 3, 40, 16, 21);
+  for (auto& x : pr.q) x *= 1e30f;
+  for (auto& x : pr.k) x *= 1e30f;
+  for (auto& x : pr.slot_k) x *= 1e30f;
+  const kk::Status s = compare(pr, pr.q.data(), pr.k.data(), pr.v.data(), /*cuda_only=*/true);
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("a metric is not finite in float32"), std::string::npos) << s.message();
 }
 
 TEST(EvaluateCuda, RejectsBadDeviceData) {

@@ -9,6 +9,7 @@
 #include "kvscope/kernels/evaluate.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -31,6 +32,14 @@ constexpr int kRowBlock = 64;  // query rows per work item
 // L2 from its conversion to the GEMM's packing; a whole head (4 MiB at T = 8192)
 // went through L3, shared by both cores.
 constexpr int kTokenChunk = 512;
+
+// Inputs outside float32's range (|q . k| / sqrt(D), a norm or an attention-weighted sum that
+// overflows) make a row's metrics NaN or infinite: the row is flagged (one isfinite per row, off
+// the vectorised loops) and the call fails with this message instead of returning such values.
+// The CUDA backend flags the same rows with the same message.
+constexpr const char* kNotFinite =
+    "a metric is not finite in float32 (attention logits, norms or sums overflow: inputs outside the range "
+    "this kernel computes in; outputs undefined)";
 
 // max of x[0, n), n >= 1, with 16 independent lanes, so that it vectorises.
 inline float row_max(const float* x, int n) {
@@ -192,6 +201,7 @@ Status full_attention(const EvaluateParams& p, const void* q, const void* k, con
     const FullAttention& full;
     int T, D;
     float scale;
+    std::atomic<bool>* not_finite;
     void operator()(int h, std::size_t row0, int nr, Scratch& s) const {
       s.q.resize(static_cast<std::size_t>(nr) * D);
       to_float(q, p.dtype, row0 * D, s.q.size(), s.q.data());
@@ -213,6 +223,7 @@ Status full_attention(const EvaluateParams& p, const void* q, const void* k, con
         const float inv = static_cast<float>(1.0 / zs);
         for (int t = 0; t < T; ++t) zr[t] *= inv;
         full.entropy[row0 + r] = static_cast<float>(std::log(zs) - es / zs);
+        if (!std::isfinite(full.entropy[row0 + r])) not_finite->store(true, std::memory_order_relaxed);
         if (full.modality_mass) {
           double mass[kNumModalities] = {0.0, 0.0, 0.0, 0.0};
           for (int t = 0; t < T; ++t) mass[modality[t]] += zr[t];
@@ -231,7 +242,9 @@ Status full_attention(const EvaluateParams& p, const void* q, const void* k, con
       }
     }
   };
-  for_each_row_block(p, Body{p, q, k, v, modality, full, T, D, scale});
+  std::atomic<bool> not_finite{false};
+  for_each_row_block(p, Body{p, q, k, v, modality, full, T, D, scale, &not_finite});
+  if (not_finite.load()) return Status::Invalid(f + kNotFinite);
   return Status::Ok();
 }
 
@@ -258,6 +271,7 @@ Status evaluate_attention(const EvaluateParams& p, const void* q, const std::uin
     const EvaluateOutputs& out;
     int T, D;
     float scale;
+    std::atomic<bool>* not_finite;
     void operator()(int h, std::size_t row0, int nr, Scratch& s) const {
       const int base = c.slot_offsets[h], S = c.slot_offsets[h + 1] - base;
       const std::int32_t* map = c.token_to_slot + static_cast<std::size_t>(h) * T;
@@ -326,27 +340,32 @@ Status evaluate_attention(const EvaluateParams& p, const void* q, const std::uin
         }
         const double h_comp = S > 0 ? std::log(csum[r]) - cent[r] / csum[r] : 0.0;
         const double norm = std::sqrt(norm2), diff = std::sqrt(diff2);
-        if (out.output_error) out.output_error[row] = static_cast<float>(norm > 0.0 ? diff / norm : diff);
-        if (out.recall) out.recall[row] = static_cast<float>(survived / total);
+        const float err = static_cast<float>(norm > 0.0 ? diff / norm : diff);
+        const float rec = static_cast<float>(survived / total);
+        const float dent = static_cast<float>(h_comp - static_cast<double>(full.entropy[row]));
+        // Every output of the row in one sum: NaN or infinite if any of them is.
+        double check = static_cast<double>(err) + rec + static_cast<float>(kl) + dent;
+        if (out.output_error) out.output_error[row] = err;
+        if (out.recall) out.recall[row] = rec;
         if (out.kl) out.kl[row] = static_cast<float>(kl);
-        if (out.entropy_change) {
-          out.entropy_change[row] = static_cast<float>(h_comp - static_cast<double>(full.entropy[row]));
-        }
+        if (out.entropy_change) out.entropy_change[row] = dent;
         for (int m = 0; m < kNumModalities; ++m) {
           const std::size_t i = row * kNumModalities + m;
-          if (out.recall_modality) {
-            out.recall_modality[i] = static_cast<float>(mass[m] > 0.0 ? surv[m] / mass[m] : 1.0);
-          }
-          if (out.mass_full) out.mass_full[i] = static_cast<float>(mass[m] / total);
-          if (out.mass_compressed) {
-            out.mass_compressed[i] =
-                static_cast<float>(S > 0 ? cmass[r * kNumModalities + m] / csum[r] : 0.0);
-          }
+          const float rm = static_cast<float>(mass[m] > 0.0 ? surv[m] / mass[m] : 1.0);
+          const float mf = static_cast<float>(mass[m] / total);
+          const float mc = static_cast<float>(S > 0 ? cmass[r * kNumModalities + m] / csum[r] : 0.0);
+          check += static_cast<double>(rm) + mf + mc;
+          if (out.recall_modality) out.recall_modality[i] = rm;
+          if (out.mass_full) out.mass_full[i] = mf;
+          if (out.mass_compressed) out.mass_compressed[i] = mc;
         }
+        if (!std::isfinite(check)) not_finite->store(true, std::memory_order_relaxed);
       }
     }
   };
-  for_each_row_block(p, Body{p, q, modality, full, c, out, T, D, scale});
+  std::atomic<bool> not_finite{false};
+  for_each_row_block(p, Body{p, q, modality, full, c, out, T, D, scale, &not_finite});
+  if (not_finite.load()) return Status::Invalid(f + kNotFinite);
   return Status::Ok();
 }
 

@@ -25,6 +25,11 @@ constexpr int kTileK = 16;  // reduction step of the GEMM kernels
 constexpr int kGemmThreads = 256;
 constexpr int kPvSplit = 512;  // tokens per split of the P.V reduction
 constexpr int kRowThreads = 256;
+// A row whose metrics are NaN or infinite (inputs outside float32's range) sets the flag to 3 and
+// the call fails with the CPU backend's message.
+constexpr const char* kNotFinite =
+    "a metric is not finite in float32 (attention logits, norms or sums overflow: inputs outside the range "
+    "this kernel computes in; outputs undefined)";
 constexpr int kStats = 20;  // per-row statistics, layout below
 // [0] Z  [1] sum e*(z-m)  [2..5] mass per modality  [6..9] surviving mass per modality
 // [10] Z~  [11] sum e~*(z~-m~)  [12..15] compressed mass per modality  [16] m~
@@ -272,6 +277,7 @@ __global__ void __launch_bounds__(kRowThreads)
   for (int t = threadIdx.x; t < T; t += kRowThreads) zr[t] *= inv;  // each thread rescales its own e
   if (threadIdx.x != 0) return;
   entropy[r] = logf(acc[0]) - acc[1] / acc[0];
+  if (!isfinite(entropy[r])) atomicExch(bad, 3);
   if (modality_mass)
     for (int mm = 0; mm < kNumModalities; ++mm) modality_mass[r * kNumModalities + mm] = acc[2 + mm] * inv;
 }
@@ -325,7 +331,7 @@ __global__ void validate_slots_kernel(int total, const std::uint8_t* slot_modali
 __global__ void __launch_bounds__(kRowThreads)
     finalize_kernel(int M, int D, const std::int32_t* offsets, const float* o, const float* oc,
                     const float* zc, const float* slot_mass, long long ld_slots, const float* stats,
-                    const float* full_entropy, EvaluateOutputs out) {
+                    const float* full_entropy, EvaluateOutputs out, int* bad) {
   __shared__ float red[3 * 32];
   const long long r = blockIdx.x;
   const int h = static_cast<int>(r / M);
@@ -360,12 +366,18 @@ __global__ void __launch_bounds__(kRowThreads)
   const float h_full = full_entropy ? full_entropy[r] : logf(Z) - st[1] / Z;
   const float h_comp = S > 0 ? logf(Zc) - st[11] / Zc : 0.0f;
   if (out.entropy_change) out.entropy_change[r] = h_comp - h_full;
+  // Every output of the row in one sum: NaN or infinite if any of them is (the CPU backend's check).
+  double check = static_cast<double>(norm > 0.0f ? diff / norm : diff) + survived / Z + acc[2] + (h_comp - h_full);
   for (int m = 0; m < kNumModalities; ++m) {
     const float full_m = st[2 + m];
-    if (out.recall_modality) out.recall_modality[r * 4 + m] = full_m > 0.0f ? st[6 + m] / full_m : 1.0f;
-    if (out.mass_full) out.mass_full[r * 4 + m] = full_m / Z;
-    if (out.mass_compressed) out.mass_compressed[r * 4 + m] = S > 0 ? st[12 + m] / Zc : 0.0f;
+    const float rm = full_m > 0.0f ? st[6 + m] / full_m : 1.0f, mf = full_m / Z;
+    const float mc = S > 0 ? st[12 + m] / Zc : 0.0f;
+    check += static_cast<double>(rm) + mf + mc;
+    if (out.recall_modality) out.recall_modality[r * 4 + m] = rm;
+    if (out.mass_full) out.mass_full[r * 4 + m] = mf;
+    if (out.mass_compressed) out.mass_compressed[r * 4 + m] = mc;
   }
+  if (!isfinite(check)) atomicExch(bad, 3);
 }
 
 Status validate_sizes(const EvaluateParams& p, const std::string& f) {
@@ -495,7 +507,7 @@ Status evaluate_attention(const EvaluateParams& p, const void* q, const void* k,
       KVSCOPE_CUDA_CHECK_LAUNCH("pv_kernel(compressed)");
     }
     finalize_kernel<<<static_cast<unsigned>(R), kRowThreads, 0, stream>>>(M, D, c.slot_offsets, o, oc, zc, am,
-                                                                          ld_slots, stats, nullptr, out);
+                                                                          ld_slots, stats, nullptr, out, bad);
     KVSCOPE_CUDA_CHECK_LAUNCH("finalize_kernel");
     int host_bad = 0;
     KVSCOPE_CUDA_TRY(cudaMemcpyAsync(&host_bad, bad, sizeof(int), cudaMemcpyDeviceToHost, stream));
@@ -504,6 +516,7 @@ Status evaluate_attention(const EvaluateParams& p, const void* q, const void* k,
       return Status::Invalid(
           f + "modality code >= 4 or cache.token_to_slot out of [-1, S_h) (outputs undefined)");
     }
+    if (host_bad == 3) return Status::Invalid(f + kNotFinite);
     if (host_bad == 2) {
       return Status::Invalid(f + "cache.slot_modality >= 4 or a multiplicity not > 0 (outputs undefined)");
     }
@@ -550,6 +563,7 @@ Status full_attention(const EvaluateParams& p, const void* q, const void* k, con
     int host_bad = 0;
     KVSCOPE_CUDA_TRY(cudaMemcpyAsync(&host_bad, bad, sizeof(int), cudaMemcpyDeviceToHost, stream));
     KVSCOPE_CUDA_TRY(cudaStreamSynchronize(stream));
+    if (host_bad == 3) return Status::Invalid(f + kNotFinite);
     if (host_bad != 0) return Status::Invalid(f + "modality code >= 4 (modality_mass undefined)");
     return Status::Ok();
   };
@@ -631,7 +645,7 @@ Status evaluate_attention(const EvaluateParams& p, const void* q, const std::uin
       KVSCOPE_CUDA_CHECK_LAUNCH("pv_kernel(compressed)");
     }
     finalize_kernel<<<static_cast<unsigned>(R), kRowThreads, 0, stream>>>(
-        M, D, c.slot_offsets, full.output, oc, zc, am, ld_slots, stats, full.entropy, out);
+        M, D, c.slot_offsets, full.output, oc, zc, am, ld_slots, stats, full.entropy, out, bad);
     KVSCOPE_CUDA_CHECK_LAUNCH("finalize_kernel");
     int host_bad = 0;
     KVSCOPE_CUDA_TRY(cudaMemcpyAsync(&host_bad, bad, sizeof(int), cudaMemcpyDeviceToHost, stream));
@@ -640,6 +654,7 @@ Status evaluate_attention(const EvaluateParams& p, const void* q, const std::uin
       return Status::Invalid(
           f + "modality code >= 4 or cache.token_to_slot out of [-1, S_h) (outputs undefined)");
     }
+    if (host_bad == 3) return Status::Invalid(f + kNotFinite);
     if (host_bad == 2) {
       return Status::Invalid(f + "cache.slot_modality >= 4 or a multiplicity not > 0 (outputs undefined)");
     }

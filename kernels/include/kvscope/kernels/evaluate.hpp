@@ -56,6 +56,9 @@ struct FullAttention {
   float* modality_mass = nullptr;  // [Hq, Nq, 4] sum_{t in m} p(t); optional (may be nullptr)
 };
 
+// Every function below (and its CUDA counterpart) returns Status::Invalid ("... a metric is not
+// finite in float32 ...") instead of writing a NaN or infinite metric, e.g. for inputs whose
+// logits q . k / sqrt(D) overflow float32 (docs/kernels/evaluate.md, "Range").
 namespace cpu {
 
 // Fills `full` (probs, output and entropy required; modality_mass optional).

@@ -38,14 +38,23 @@ struct TraceContext {
   // Prefill mode on the CPU backend: evaluate the S decode steps of a kv head in one batched pass
   // (two GEMMs) instead of one kernel call per step; same math, GEMM rounding may differ.
   bool batched_evaluation = true;
+  std::string source;  // the trace's path, for messages (empty: a model's live cache)
 
   static TraceContext from_reader(const trace::TraceReader& reader);
   const kernels::NeighbourTable& neighbour_lists(int seq_radius, int grid_radius);
 };
 
+// The largest |x| of a layer's q, k and v (context and decode) for which every float32 dot product,
+// sum of squares and attention-weighted sum over one head (tokens x head_dim terms of at most
+// max|x|^2) stays below 2^124, an eighth of float32's largest value: tokens * head_dim * max|x|^2
+// <= 2^124 (docs/robustness.md, "Edge traces and numerical range in kvsim").
+double kernels_value_limit(int tokens, int head_dim);
+
 // One layer's tensors and lazily computed statistics (all [Hkv, T] float unless noted).
 class LayerData {
  public:
+  // Throws std::runtime_error (one line naming the trace, layer and tensor) when the layer's values
+  // are outside the range the float32 kernels compute in (kernels_value_limit).
   LayerData(int layer, trace::LayerTensors prefill, trace::LayerTensors decode, TraceContext& ctx);
 
   int layer() const { return layer_; }

@@ -64,9 +64,20 @@ struct SweepOutput {
   std::vector<std::string> warnings;
 };
 
-// Throws std::runtime_error (e.g. a trace without decode queries) with a clear message.
+// Throws std::runtime_error with one line naming the file unless the trace can be replayed: it
+// needs at least one context token (T >= 1: a cache to compress) and one decode step (S >= 1: the
+// decode queries are the evaluation queries). `who` names the caller in the message ("kvsim run").
+void require_replayable(const trace::TraceReader& reader, const std::string& who);
+
+// Throws std::runtime_error (e.g. a trace without decode queries, require_replayable; a metric
+// that is not finite, check_finite) with a clear message.
 SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepPoint>& points,
                       const SweepOptions& options);
+
+// Throws std::runtime_error, one line naming `source`, the point, the layer, the kv head and the
+// metric, when any quality metric or token score of `out` is not finite (NaN or infinite): such a
+// value must never reach a table or a results file. run_sweep calls it on its output.
+void check_finite(const SweepOutput& out, const std::string& source);
 
 // Adds `src` into `dst`: byte and token counts summed, quality weighted by `w`.
 void accumulate(HeadResult& dst, const HeadResult& src, double w);
