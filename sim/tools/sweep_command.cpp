@@ -131,11 +131,8 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
   kernels::set_cpu_threads(threads);
   std::unique_ptr<Backend> cuda;
   Backend* backend = nullptr;
-  bool announce_backend = false;
   try {
-    const BackendKind kind = parse_backend(vm["backend"].as<std::string>());
-    backend = &select_backend(kind, cuda);
-    announce_backend = !vm.count("quiet") || kind == BackendKind::kAuto;
+    backend = &select_backend(parse_backend(vm["backend"].as<std::string>()), cuda);
   } catch (const BackendError& e) {
     std::cerr << name << ": " << e.what() << "\n";
     return 2;
@@ -188,14 +185,6 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
     }
     cli::ProgressBar bar(name, points.size() * static_cast<std::size_t>(reader.geometry().num_layers), !vm.count("quiet"));
     so.progress = [&](std::size_t done, std::size_t) { bar.update(done); };
-    if (announce_backend) {
-      std::cerr << name << ": backend " << backend->description();
-      if (vm["backend"].as<std::string>() == "auto" && backend->kind() == BackendKind::kCpu) {
-        std::cerr << " (auto: " << (cuda_backend_built() ? kernels::cuda_device_description() : "built without CUDA")
-                  << ")";
-      }
-      std::cerr << "\n";
-    }
     SweepOutput out = run_sweep(reader, points, so);
     bar.finish();
     // The Pareto front is over the policies; oracle rows are a bound, not a policy.
@@ -205,7 +194,15 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
               << (summary.header.synthetic ? " (SYNTHETIC)" : "") << ", " << summary.num_tokens << " tokens ("
               << summary.tokens_per_modality[0] << " text, " << summary.tokens_per_modality[1] << " vision, "
               << summary.tokens_per_modality[2] << " audio, " << summary.tokens_per_modality[3] << " special), "
-              << summary.num_decode_steps << " evaluation queries, " << summary.header.geometry.num_layers << " layers\n\n";
+              << summary.num_decode_steps << " evaluation queries, " << summary.header.geometry.num_layers << " layers\n";
+    // Which backend computed the results (with the reason when auto fell back to the CPU): part of the
+    // summary on stdout, so that stderr holds only progress and, on failure, the one-line error.
+    std::cout << "backend " << backend->description();
+    if (vm["backend"].as<std::string>() == "auto" && backend->kind() == BackendKind::kCpu) {
+      std::cout << " (auto: " << (cuda_backend_built() ? kernels::cuda_device_description() : "built without CUDA")
+                << ")";
+    }
+    std::cout << "\n\n";
     std::cout << format_table(out.points);
     for (const auto& pt : out.points) {
       if (!vm.count("explain") && !pt.pareto && out.points.size() > 1) continue;
