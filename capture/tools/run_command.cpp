@@ -2,6 +2,8 @@
 // generates greedily and records prefill Q/K/V, decode steps and ranges into a trace via the capture C API.
 #include "run_command.hpp"
 
+#include "kvscope/cli/progress.hpp"
+
 #include <boost/program_options.hpp>
 #include <cstdio>
 #include <filesystem>
@@ -140,7 +142,7 @@ po::options_description make_options() {
       "max-new", po::value<int>()->default_value(16), "at most this many generated tokens (1..256)")(
       "device", po::value<std::string>()->default_value("cpu"),
       "cpu or cuda (cuda needs a GPU build and a GPU)")("threads", po::value<int>()->default_value(0),
-                                                        "CPU threads (0 = all cores)")(
+                                                        "CPU threads (0 = all cores; at most 4 x the hardware threads, 1024)")(
       "dtype", po::value<std::string>()->default_value("float32"),
       "tensor dtype in the trace: float32, float16, bfloat16")("output,o", po::value<std::string>(),
                                                                "output trace file (.h5)");
@@ -183,7 +185,7 @@ int run_command(const std::vector<std::string>& args) {
   if (device_name != "cpu" && device_name != "cuda")
     return fail("--device '" + device_name + "' is not cpu or cuda");
   const int threads = vm["threads"].as<int>();
-  if (threads < 0) return fail("--threads must not be negative");
+  if (const std::string bad = cli::check_threads(threads); !bad.empty()) return fail(bad);
   const std::string dtype_name = vm["dtype"].as<std::string>();
   kvscope_dtype dtype = KVSCOPE_F32;
   if (dtype_name == "float16" || dtype_name == "fp16") {

@@ -84,7 +84,8 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
                      "INI file with [policy NAME] sections (base = PRESET, parameters; docs/policies.md)")(
       "output,o", po::value<std::string>(), "write results to this HDF5 file (docs/results-format.md)")(
       "csv", po::value<std::string>(), "write results to this CSV file (one row per point x layer x modality)")(
-      "threads", po::value<int>()->default_value(0), "CPU threads for the kernels (0 = all cores)")(
+      "threads", po::value<int>()->default_value(0),
+      "CPU threads for the kernels (0 = all cores; at most 4 x the hardware threads, 1024)")(
       "backend", po::value<std::string>()->default_value("auto"),
       "kernels to run on: cpu, cuda (exit 2 without a CUDA build or GPU), or auto (CUDA when this kvsim was "
       "built with it and a GPU is present, else CPU); the choice is printed on stderr")(
@@ -115,8 +116,8 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
     return 2;
   }
   const int threads = vm["threads"].as<int>();
-  if (threads < 0) {
-    std::cerr << name << ": --threads must be >= 0\n";
+  if (const std::string bad = cli::check_threads(threads); !bad.empty()) {
+    std::cerr << name << ": " << bad << "\n";
     return 2;
   }
   kernels::set_cpu_threads(threads);
