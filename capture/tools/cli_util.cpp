@@ -105,8 +105,9 @@ int max_threads() {
 std::string check_threads(long long n) {
   if (n < 0) return "--threads must not be negative, got " + std::to_string(n);
   if (n > max_threads()) {
-    return "--threads " + std::to_string(n) + " is more than the maximum of " + std::to_string(max_threads()) +
-           " (4 x the " + std::to_string(std::max(1u, std::thread::hardware_concurrency())) +
+    return "--threads " + std::to_string(n) + " is more than the maximum of " +
+           std::to_string(max_threads()) + " (4 x the " +
+           std::to_string(std::max(1u, std::thread::hardware_concurrency())) +
            " hardware threads, at most 1024)";
   }
   return "";

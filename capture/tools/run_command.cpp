@@ -2,8 +2,6 @@
 // generates greedily and records prefill Q/K/V, decode steps and ranges into a trace via the capture C API.
 #include "run_command.hpp"
 
-#include "kvscope/cli/progress.hpp"
-
 #include <boost/program_options.hpp>
 #include <cstdio>
 #include <filesystem>
@@ -11,6 +9,7 @@
 #include <optional>
 #include <sstream>
 
+#include "kvscope/cli/progress.hpp"
 #include "kvscope/kernels/common.hpp"
 #include "kvscope/runner/error.hpp"
 #include "kvscope/runner/model.hpp"
@@ -141,8 +140,9 @@ po::options_description make_options() {
       "the question, in the model's vocabulary (e.g. \"how many shapes ?\")")(
       "max-new", po::value<int>()->default_value(16), "at most this many generated tokens (1..256)")(
       "device", po::value<std::string>()->default_value("cpu"),
-      "cpu or cuda (cuda needs a GPU build and a GPU)")("threads", po::value<int>()->default_value(0),
-                                                        "CPU threads (0 = all cores; at most 4 x the hardware threads, 1024)")(
+      "cpu or cuda (cuda needs a GPU build and a GPU)")(
+      "threads", po::value<int>()->default_value(0),
+      "CPU threads (0 = all cores; at most 4 x the hardware threads, 1024)")(
       "dtype", po::value<std::string>()->default_value("float32"),
       "tensor dtype in the trace: float32, float16, bfloat16")("output,o", po::value<std::string>(),
                                                                "output trace file (.h5)");

@@ -6,7 +6,6 @@
 #include <omp.h>
 
 #include <algorithm>
-
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -19,10 +18,10 @@
 #include <vector>
 
 #include "bench_util.hpp"
-#include "kvscope/kernels/blas_runtime.hpp"
 #include "ceilings.hpp"
 #include "cupti_recorder.hpp"
 #include "kvbench_report.hpp"
+#include "kvscope/kernels/blas_runtime.hpp"
 #include "kvscope/kernels/common.hpp"
 #include "kvscope/kernels/device.hpp"
 
@@ -143,7 +142,10 @@ bool parse_options(int argc, char** argv, Options* o, bool* exit_now) {
       // Same cap as kvsim and kvcap: 4 x the hardware threads, at most 1024 (docs/robustness.md).
       const long max = std::min(4L * std::max(1, omp_get_num_procs()), 1024L);
       if (n > max) {
-        std::fprintf(stderr, "kvbench: --threads %ld is more than the maximum of %ld (4 x the hardware threads, at most 1024)\n", n, max);
+        std::fprintf(stderr,
+                     "kvbench: --threads %ld is more than the maximum of %ld (4 x the hardware threads, at "
+                     "most 1024)\n",
+                     n, max);
         return false;
       }
       o->threads = static_cast<int>(n);

@@ -84,7 +84,8 @@ class Reader {
       return s;
     }
     const std::size_t size = H5Tget_size(ftype);
-    if (size == 0 || size > kMaxAttrStringBytes) fail(object, "fixed-length string of " + std::to_string(size) + " bytes");
+    if (size == 0 || size > kMaxAttrStringBytes)
+      fail(object, "fixed-length string of " + std::to_string(size) + " bytes");
     std::string s(size, '\0');
     if (H5Aread(a, ftype, s.data()) < 0) fail(object, "cannot read");
     return s.substr(0, s.find('\0'));
@@ -151,7 +152,8 @@ class Reader {
   // The data a dataset declares must be in the file: at most its stored bytes (x1032 with filters).
   void check_storage(hid_t d, const std::string& object, std::uint64_t n, std::uint64_t elem) const {
     if (n == 0 || elem == 0) return;
-    if (n > (std::uint64_t{1} << 40) / elem) fail(object, std::to_string(n) + " elements is more than a results file holds");
+    if (n > (std::uint64_t{1} << 40) / elem)
+      fail(object, std::to_string(n) + " elements is more than a results file holds");
     const std::uint64_t declared = n * elem;
     if (declared <= kStorageSlackBytes) return;
     Handle dcpl(H5Dget_create_plist(d), H5Pclose);
@@ -160,12 +162,13 @@ class Reader {
     const std::uint64_t stored = H5Dget_storage_size(d);
     hsize_t file_size = 0;
     if (H5Fget_filesize(file_, &file_size) < 0 || stored > file_size) {
-      fail(object, "claims " + std::to_string(stored) + " bytes of storage in a file of " + std::to_string(file_size));
+      fail(object, "claims " + std::to_string(stored) + " bytes of storage in a file of " +
+                       std::to_string(file_size));
     }
     const std::uint64_t ratio = H5Pget_nfilters(dcpl) > 0 ? kMaxCompressionRatio : 1;
     if (declared > stored * ratio + kStorageSlackBytes) {
-      fail(object, "declares " + std::to_string(declared) + " bytes of data but stores " + std::to_string(stored) +
-                       ": the data is not in the file");
+      fail(object, "declares " + std::to_string(declared) + " bytes of data but stores " +
+                       std::to_string(stored) + ": the data is not in the file");
     }
   }
 
@@ -282,14 +285,17 @@ std::vector<PointResult> read_contents(const Reader& r, ResultsMeta* meta) {
   auto count = [&](const char* name, std::int64_t max) {
     const std::int64_t v = r.attr_i64(name)[0];
     if (v < 0) r.fail(std::string("/@") + name, "negative");
-    if (v > max) r.fail(std::string("/@") + name, std::to_string(v) + " is more than the limit of " + std::to_string(max));
+    if (v > max)
+      r.fail(std::string("/@") + name,
+             std::to_string(v) + " is more than the limit of " + std::to_string(max));
     return static_cast<hsize_t>(v);
   };
   const hsize_t P = count("num_points", kMaxPoints), L = count("num_layers", kMaxLayers),
                 H = count("num_kv_heads", kMaxHeads);
   if (P * L * H > kMaxHeadRows) {
-    r.fail("/@num_points", std::to_string(P) + " points x " + std::to_string(L) + " layers x " + std::to_string(H) +
-                               " heads is more than the limit of " + std::to_string(kMaxHeadRows) + " head rows");
+    r.fail("/@num_points", std::to_string(P) + " points x " + std::to_string(L) + " layers x " +
+                               std::to_string(H) + " heads is more than the limit of " +
+                               std::to_string(kMaxHeadRows) + " head rows");
   }
   if (meta) {
     *meta = ResultsMeta{};
@@ -355,7 +361,8 @@ std::vector<PointResult> read_contents(const Reader& r, ResultsMeta* meta) {
   hsize_t F = 0;
   for (const auto& n : r.dataset<std::int32_t>("/points/num_flags", {P})) {
     F += static_cast<hsize_t>(std::max(0, n));
-    if (F > kMaxFlags) r.fail("/points/num_flags", "more than the limit of " + std::to_string(kMaxFlags) + " flags");
+    if (F > kMaxFlags)
+      r.fail("/points/num_flags", "more than the limit of " + std::to_string(kMaxFlags) + " flags");
   }
   const std::vector<std::int32_t> fpoint = r.dataset<std::int32_t>("/flags/point", {F});
   const std::vector<std::string> flag_mode = r.strings("/flags/mode", F);

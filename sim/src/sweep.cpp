@@ -52,8 +52,8 @@ std::vector<Budget> parse_budget_list(const std::string& text) {
       const double count = std::floor((b - a) / step + 1e-9) + 1;
       if (count + static_cast<double>(out.size()) > static_cast<double>(kMaxSweepPoints)) {
         std::ostringstream os;
-        os << "budget range '" << item << "' asks for " << std::llround(std::min(count, 1e18)) << " budgets; at most "
-           << kMaxSweepPoints << " in all";
+        os << "budget range '" << item << "' asks for " << std::llround(std::min(count, 1e18))
+           << " budgets; at most " << kMaxSweepPoints << " in all";
         throw PolicyError(os.str());
       }
       for (int i = 0;; ++i) {

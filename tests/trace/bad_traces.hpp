@@ -186,19 +186,24 @@ inline std::vector<BadCase> bad_cases() {
     };
   };
   for (const char* v : {" 1.0", "1.0abc", "1.0.0"}) {
-    c.push_back({std::string("version_") + (v[0] == ' ' ? "space" : std::string(v).size() == 6 ? "suffix" : "three"),
+    c.push_back({std::string("version_") + (v[0] == ' '                  ? "space"
+                                            : std::string(v).size() == 6 ? "suffix"
+                                                                         : "three"),
                  "is not MAJOR.MINOR", edit([v](hid_t f) { set_string_attr(f, "version", v); })});
   }
-  c.push_back({"rope_theta_inf", "/@rope_theta: must be a finite number > 0",
-               edit([](hid_t f) { set_f64_attr(f, "rope_theta", std::numeric_limits<double>::infinity()); })});
+  c.push_back({"rope_theta_inf", "/@rope_theta: must be a finite number > 0", edit([](hid_t f) {
+                 set_f64_attr(f, "rope_theta", std::numeric_limits<double>::infinity());
+               })});
   c.push_back({"num_q_heads_fraction", "/@num_q_heads: must be an integer, got 4.5",
                edit([](hid_t f) { set_f64_attr(f, "num_q_heads", 4.5); })});
   c.push_back({"num_q_heads_1e5", "/@num_q_heads: 100000 is more than the limit of 1024",
                edit([](hid_t f) { set_i64_attr(f, "num_q_heads", 100000); })});
   c.push_back({"complete_negative", "/@complete: must be 0 or 1, got -1",
                edit([](hid_t f) { set_i64_attr(f, "complete", -1); })});
-  c.push_back({"attn_window_longer_than_T", "/layers/000/attn_window: window W = 1000 must be between 1 and T = 26",
-               edit([](hid_t f) { replace_dataset(f, "/layers/000/attn_window", H5T_IEEE_F32LE, {4, 1000, 26}); })});
+  c.push_back({"attn_window_longer_than_T",
+               "/layers/000/attn_window: window W = 1000 must be between 1 and T = 26", edit([](hid_t f) {
+                 replace_dataset(f, "/layers/000/attn_window", H5T_IEEE_F32LE, {4, 1000, 26});
+               })});
   c.push_back({"grid_on_text_token", "/tokens/grid: token 1 is not a vision token but has grid cell (0, 0)",
                edit([](hid_t f) {
                  hid_t d = H5Dopen2(f, "/tokens/grid", H5P_DEFAULT);

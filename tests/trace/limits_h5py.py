@@ -146,6 +146,20 @@ for name, length, expect in (("text_length_4e9", 0xF0000005, "corrupt string len
     corrupt_string_length(path, 0, length if length is not None else first + 5)
     expect_bad(name, path, expect)
 
+# The same in the /profile/ranges table (compound rows; the name is the first member).
+for name, delta, expect in (("range_name_length_4e9", None, "row 1: stored string length 4026531845 bytes"),
+                            ("range_name_length_plus5", 5, "row 1: stored length")):
+    path = out / f"{name}.h5"
+    shutil.copy(good, path)
+    with h5py.File(path, "r") as f:
+        ds = f["profile/ranges"]
+        off, row = ds.id.get_offset(), ds.id.get_storage_size() // ds.shape[0]
+        first = len(ds[1]["name"])
+    with open(path, "r+b") as fp:
+        fp.seek(off + row * 1)
+        fp.write(int(0xF0000005 if delta is None else first + delta).to_bytes(4, "little"))
+    expect_bad(name, path, expect, info=False)
+
 # --- datatypes ------------------------------------------------------------------------------------
 def custom_f16(ebias=None, order=None):
     t = h5py.h5t.IEEE_F16LE.copy() if hasattr(h5py.h5t, "IEEE_F16LE") else h5py.h5t.py_create(np.dtype("<f2"))

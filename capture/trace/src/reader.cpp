@@ -491,6 +491,7 @@ Profile TraceReader::read_profile() const {
     if (H5Tget_class(ft) != H5T_COMPOUND) c.fail(ErrorKind::kDType, path, "must be a compound dataset");
     h5::check_alloc(c, path, shape[0], sizeof(rows[0]) + record_bytes);
     h5::check_storage(c, d, path, shape[0] * H5Tget_size(ft));
+    h5::prescan_compound_strings(c, d, path, shape[0]);
     rows.resize(shape[0]);
     std::memset(static_cast<void*>(rows.data()), 0, rows.size() * sizeof(rows[0]));
     h5::VlenBudget budget(c, path, limits::kMaxStringBytes);
