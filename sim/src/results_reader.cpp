@@ -5,6 +5,7 @@
 #include <hdf5.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <mutex>
 #include <string>
@@ -101,7 +102,23 @@ class Reader {
     Handle space(H5Aget_space(a), H5Sclose);
     const hssize_t n = H5Sget_simple_extent_npoints(space);
     if (n < 1) fail(object, "empty attribute");
+    if (n > 1024) fail(object, std::to_string(n) + " values, more than an attribute of a results file holds");
+    Handle type(H5Aget_type(a), H5Tclose);
+    const H5T_class_t cls = H5Tget_class(type);
     std::vector<std::int64_t> v(static_cast<std::size_t>(n));
+    if (cls == H5T_FLOAT) {
+      // Accepted where it holds integers exactly: 4.0 reads as 4, 4.5 is an error (not 4).
+      std::vector<double> d(static_cast<std::size_t>(n));
+      if (H5Aread(a, H5T_NATIVE_DOUBLE, d.data()) < 0) fail(object, "cannot read");
+      for (std::size_t i = 0; i < d.size(); ++i) {
+        if (!std::isfinite(d[i]) || d[i] != std::floor(d[i]) || std::fabs(d[i]) >= 9.2e18) {
+          fail(object, "must be an integer, got " + std::to_string(d[i]));
+        }
+        v[i] = static_cast<std::int64_t>(d[i]);
+      }
+      return v;
+    }
+    if (cls != H5T_INTEGER && cls != H5T_ENUM) fail(object, "not an integer attribute");
     if (H5Aread(a, H5T_NATIVE_INT64, v.data()) < 0) fail(object, "not an integer attribute");
     return v;
   }

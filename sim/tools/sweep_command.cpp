@@ -171,7 +171,8 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
     if (reader.num_decode_steps() == 0) {
       throw trace::TraceError(trace::ErrorKind::kValue, reader.path(), "/decode/tokens/token_id",
                               "no decode steps (S = 0): kvsim " + command +
-                                  " needs at least one evaluation query to replay the trace");
+                                  " needs evaluation queries; capture at least one generated token (kvcap run "
+                                  "--max-new N, or kvcap synth --decode N)");
     }
     const TraceSummary summary = summarize(reader);
     SweepOptions so;

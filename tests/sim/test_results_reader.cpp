@@ -282,6 +282,18 @@ TEST(ResultsReader, DeclaredSizesAreCheckedBeforeAllocation) {
                              set_root_i64(f, "num_layers", 1024);
                            }),
                "/@num_points", "head rows");
+  expect_error(broken_file("points-fraction.h5",
+                           [](hid_t f) {
+                             H5Adelete(f, "num_points");
+                             const double v = 4.5;
+                             const hid_t space = H5Screate(H5S_SCALAR);
+                             const hid_t at =
+                                 H5Acreate2(f, "num_points", H5T_IEEE_F64LE, space, H5P_DEFAULT, H5P_DEFAULT);
+                             H5Awrite(at, H5T_NATIVE_DOUBLE, &v);
+                             H5Aclose(at);
+                             H5Sclose(space);
+                           }),
+               "/@num_points", "must be an integer, got 4.5");
   // A dataset of the declared shape that stores nothing: its strings would be read as empty.
   const std::string unstored = broken_file("unstored.h5", [](hid_t f) {
     set_root_i64(f, "num_points", 20'000);

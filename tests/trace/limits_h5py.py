@@ -187,6 +187,15 @@ case("f16_ebias_133", f16_bias_133, "exponent bias 133, expected 15")
 case("f16_big_endian", lambda f: replace(f, "layers/000/k", data=f["layers/000/k"][:].astype(">f2")),
      "big-endian float16 not allowed")
 
+bf16 = out / "good_bf16.h5"
+subprocess.run([kvcap, "synth", "--preset", "tiny", "--dtype", "bfloat16", "-q", "-o", str(bf16)], check=True)
+path = out / "bf16_big_endian.h5"
+shutil.copy(bf16, path)
+with h5py.File(path, "r+") as f:
+    x = f["layers/000/k"][:]
+    replace(f, "layers/000/k", data=x.astype(">u2")).attrs["dtype"] = "bfloat16"
+expect_bad("bf16_big_endian", path, "bfloat16 must be stored as 16-bit little-endian unsigned integers")
+
 # --- values ---------------------------------------------------------------------------------------
 for dt in ("int8", "int16", "int64"):
     case(f"modality_{dt}_neg", set_token("modality", 3, -1, dt), "bad modality code -1 at token 3")
@@ -248,6 +257,13 @@ def profile_not_group(f):
 
 case("profile_not_a_group", profile_not_group, "/profile", info=False)
 
+# A string attribute over 1 MiB (dense attribute storage needs the newest file format).
+path = out / "attr_string_2mib.h5"
+shutil.copy(good, path)
+with h5py.File(path, "r+", libver="latest") as f:
+    set_attr(f, "creator", "x" * (2 << 20))
+expect_bad("attr_string_2mib", path, "/@creator: string of 2097152 bytes, more than the limit of 1048576")
+
 # --- valid files the spec allows ------------------------------------------------------------------
 fixed = out / "fixed_utf8.h5"
 shutil.copy(good, fixed)
@@ -277,6 +293,10 @@ with h5py.File(ascii_, "r+") as f:
     f.create_dataset("layers/002/attn_colsum", data=np.full((Hq, T), 0.5, np.float32))
     f.create_dataset("layers/002/attn_window", data=np.full((Hq, 3, T), 0.25, np.float32))
 expect_good("fixed_ascii_and_integral_float", ascii_)
+# An image whose last row is partial (17 patches as 4 x 5 with 3 cells missing) is valid.
+partial = out / "partial_row.h5"
+subprocess.run([kvcap, "synth", "--preset", "tiny", "--image-tokens", "17", "-q", "-o", str(partial)], check=True)
+expect_good("image_with_partial_last_row", partial)
 # Zero decode steps: valid, but not replayable; kvsim says so up front in one line.
 nodec = out / "no_decode.h5"
 shutil.copy(good, nodec)
