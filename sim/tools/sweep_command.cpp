@@ -169,10 +169,11 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
     // A trace without decode steps is valid (docs/trace-format.md section 4) but has no evaluation
     // queries to replay: refuse it here, before any layer is read.
     if (reader.num_decode_steps() == 0) {
-      throw trace::TraceError(trace::ErrorKind::kValue, reader.path(), "/decode/tokens/token_id",
-                              "no decode steps (S = 0): kvsim " + command +
-                                  " needs evaluation queries; capture at least one generated token (kvcap run "
-                                  "--max-new N, or kvcap synth --decode N)");
+      throw trace::TraceError(
+          trace::ErrorKind::kValue, reader.path(), "/decode/tokens/token_id",
+          "no decode steps (S = 0): kvsim " + command +
+              " needs evaluation queries; capture at least one generated token (kvcap run "
+              "--max-new N, or kvcap synth --decode N)");
     }
     const TraceSummary summary = summarize(reader);
     SweepOptions so;
