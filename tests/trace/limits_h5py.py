@@ -25,8 +25,13 @@ GiB = 1 << 30
 
 
 def sanitized(binary):
+    """True for a sanitizer build (its shadow memory needs far more address space than 1 GiB)."""
     r = subprocess.run(["ldd", binary], capture_output=True, text=True)
-    return "asan" in r.stdout or "tsan" in r.stdout or "ubsan" in r.stdout
+    if "asan" in r.stdout or "tsan" in r.stdout or "msan" in r.stdout:
+        return True
+    with open(binary, "rb") as fp:  # statically linked runtimes (clang's default)
+        data = fp.read()
+    return any(m in data for m in (b"__asan_init", b"__tsan_init", b"__msan_init"))
 
 
 limit = [] if sanitized(kvcap) or not shutil.which("prlimit") else ["prlimit", f"--as={GiB}"]
