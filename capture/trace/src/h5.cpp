@@ -267,7 +267,7 @@ bool read_attr_bool(const Ctx& c, hid_t obj, const std::string& objpath, const s
 }
 
 std::vector<hsize_t> dataset_shape(const Ctx& c, hid_t file, const std::string& path) {
-  if (!exists(file, path)) c.fail(ErrorKind::kMissing, path, "dataset is missing");
+  if (!exists(c, file, path)) c.fail(ErrorKind::kMissing, path, "dataset is missing");
   Handle d = c.check_id(H5Dopen2(file, path.c_str(), H5P_DEFAULT), H5Dclose, path, "H5Dopen2");
   Handle s = c.check_id(H5Dget_space(d), H5Sclose, path, "H5Dget_space");
   const int rank = H5Sget_simple_extent_ndims(s);
