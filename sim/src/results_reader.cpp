@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <mutex>
 #include <string>
@@ -23,6 +24,7 @@ constexpr std::uint64_t kMaxHeadRows = std::uint64_t{1} << 22;  // P x L x H row
 constexpr std::uint64_t kMaxFlags = std::uint64_t{1} << 22;
 constexpr std::uint64_t kMaxCompressionRatio = 1032, kStorageSlackBytes = 64 * 1024;
 constexpr std::size_t kMaxAttrStringBytes = std::size_t{1} << 20;
+constexpr std::uint64_t kMaxStringBytes = std::uint64_t{256} << 20;  // all strings of one dataset
 
 class Handle {
  public:
@@ -145,6 +147,7 @@ class Reader {
     std::vector<std::string> out;
     if (n == 0) return out;
     if (H5Tis_variable_str(ftype) > 0) {
+      check_string_lengths(d, object, n);
       Handle mtype(H5Tcopy(H5T_C_S1), H5Tclose);
       H5Tset_size(mtype, H5T_VARIABLE);
       H5Tset_cset(mtype, H5Tget_cset(ftype));
@@ -166,6 +169,48 @@ class Reader {
   }
 
  private:
+  // HDF5 allocates (and zeroes) a buffer of the length stored in each variable-length string before
+  // reading it: for a contiguous dataset, read those lengths (the first 4 bytes, little-endian, of
+  // each 16-byte element) from the file first and bound them by the file size and kMaxStringBytes.
+  void check_string_lengths(hid_t d, const std::string& object, hsize_t n) const {
+    Handle dcpl(H5Dget_create_plist(d), H5Pclose);
+    if (dcpl < 0 || H5Pget_layout(dcpl) != H5D_CONTIGUOUS || H5Pget_external_count(dcpl) > 0) return;
+    const haddr_t off = H5Dget_offset(d);
+    const std::uint64_t stored = H5Dget_storage_size(d);
+    hsize_t file_size = 0;
+    if (off == HADDR_UNDEF || H5Fget_filesize(file_, &file_size) < 0 || n == 0) {
+      H5Eclear2(H5E_DEFAULT);
+      return;
+    }
+    if (off > file_size || stored > file_size - off || stored % n != 0 || stored / n < 12) {
+      fail(object, "stores " + std::to_string(stored) + " bytes for " + std::to_string(n) + " strings");
+    }
+    std::vector<unsigned char> raw(stored);
+    std::FILE* fp = std::fopen(path_.c_str(), "rb");
+    if (!fp) return;
+    const bool ok =
+        fseeko(fp, static_cast<off_t>(off), SEEK_SET) == 0 && std::fread(raw.data(), 1, stored, fp) == stored;
+    std::fclose(fp);
+    if (!ok) return;
+    const std::uint64_t elem = stored / n;
+    std::uint64_t total = 0;
+    for (hsize_t i = 0; i < n; ++i) {
+      const unsigned char* e = raw.data() + i * elem;
+      const std::uint64_t len = std::uint64_t{e[0]} | std::uint64_t{e[1]} << 8 | std::uint64_t{e[2]} << 16 |
+                                std::uint64_t{e[3]} << 24;
+      if (len > file_size) {
+        fail(object, "string " + std::to_string(i) + ": stored length " + std::to_string(len) +
+                         " bytes, more than the file's " + std::to_string(file_size) +
+                         " (corrupt string length)");
+      }
+      total += len;
+    }
+    if (total > kMaxStringBytes) {
+      fail(object, "strings of " + std::to_string(total) + " bytes in all, more than the limit of " +
+                       std::to_string(kMaxStringBytes));
+    }
+  }
+
   // The data a dataset declares must be in the file: at most its stored bytes (x1032 with filters).
   void check_storage(hid_t d, const std::string& object, std::uint64_t n, std::uint64_t elem) const {
     if (n == 0 || elem == 0) return;

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <string>
 
@@ -308,6 +309,27 @@ TEST(ResultsReader, DeclaredSizesAreCheckedBeforeAllocation) {
     H5Sclose(space);
   });
   expect_error(unstored, "/points/policy", "the data is not in the file");
+  // A corrupt length field of a variable-length string: refused before HDF5 allocates it.
+  const std::string path = temp_path("string-length.h5");
+  write_hdf5(path, testing::sample_points(), testing::sample_meta());
+  haddr_t off = HADDR_UNDEF;
+  {
+    const hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+    const hid_t d = H5Dopen2(f, "/points/budget", H5P_DEFAULT);
+    off = H5Dget_offset(d);
+    H5Dclose(d);
+    H5Fclose(f);
+  }
+  ASSERT_NE(off, HADDR_UNDEF);
+  {
+    std::FILE* fp = std::fopen(path.c_str(), "r+b");
+    ASSERT_NE(fp, nullptr);
+    const unsigned char huge[4] = {0x05, 0x00, 0x00, 0xF0};  // 4026531845 bytes
+    ASSERT_EQ(std::fseek(fp, static_cast<long>(off) + 16, SEEK_SET), 0);
+    ASSERT_EQ(std::fwrite(huge, 1, 4, fp), 4u);
+    std::fclose(fp);
+  }
+  expect_error(path, "/points/budget", "string 1: stored length 4026531845 bytes");
 }
 
 }  // namespace
