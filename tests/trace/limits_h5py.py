@@ -323,5 +323,15 @@ for sub in (["run", "--policy", "full"], ["sweep", "--policies", "full"]):
     else:
         print(f"ok   kvsim {sub[0]} no_decode: {lines[0]}")
 
+# kvsim run refuses what the validator refuses, with the same one line (the cross-tool cases).
+for name in ("zero_tokens", "heads_1e5", "attn_window_1e6"):
+    path = out / f"{name}.h5"
+    r = run([kvsim, "run", "-t", str(path), "--policy", "full", "-q"])
+    if r is None or not 1 <= r.returncode <= 127 or len(r.lines) != 1 or str(path) not in r.lines[0]:
+        failures.append(f"kvsim run {name}: exit {r and r.returncode}: {r and r.stderr.strip()[-300:]}")
+        print("FAIL", failures[-1])
+    else:
+        print(f"ok   kvsim run {name}: {r.lines[0]}")
+
 print("limits_h5py: %d failure(s)" % len(failures))
 sys.exit(1 if failures else 0)
