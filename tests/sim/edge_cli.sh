@@ -39,24 +39,23 @@ works() {  # command...: exit 0, no 'nan' in stdout
   fi
 }
 
-# kvsim info reports geometry and bytes: it works on T = 0 and S = 0.
-works "$kvsim" info "$dir/t0.h5"
+# A trace needs T >= 1 (docs/trace-format.md): every command refuses T = 0 in one line.
+t0_error="$dir/t0.h5: /tokens/modality: T = 0: a trace needs at least one context token"
+check "$t0_error" "$kvsim" info "$dir/t0.h5"
+check "$t0_error" "$kvsim" plan --trace "$dir/t0.h5" --gpu-mem 24GiB --params 7e9
+check "$t0_error" "$kvsim" plan --trace "$dir/t0.h5" --gpu-mem 24GiB --params 7e9 --policy h2o@0.5
+# S = 0 is a valid trace: kvsim info reports geometry and bytes, and plan without --policy takes the
+# geometry and the request shape.
 works "$kvsim" info "$dir/s0.h5"
-grep -q "0 context, 3 decode steps" <("$kvsim" info "$dir/t0.h5") || { echo "FAIL info T = 0 line"; fail=1; }
-# kvsim plan without --policy takes geometry and the request shape: a request of 0 prompt tokens.
-works "$kvsim" plan --trace "$dir/t0.h5" --gpu-mem 24GiB --params 7e9
 works "$kvsim" plan --trace "$dir/s0.h5" --gpu-mem 24GiB --params 7e9
-# Replaying needs T >= 1 and S >= 1: one line naming the file and the command, before any work.
+# Replaying needs S >= 1: one line naming the file and the command, before any work.
 for cmd in run sweep; do
   p=(--policy h2o@0.5); [[ $cmd == sweep ]] && p=(--policies h2o,full --budgets 0.5)
-  check "$dir/t0.h5: the trace has T = 0 context tokens; kvsim $cmd needs at least one" \
-    "$kvsim" $cmd --backend cpu --trace "$dir/t0.h5" "${p[@]}" -q -o "$dir/t0_$cmd.h5"
+  check "$t0_error" "$kvsim" $cmd --backend cpu --trace "$dir/t0.h5" "${p[@]}" -q -o "$dir/t0_$cmd.h5"
   check "$dir/s0.h5: the trace has S = 0 decode steps; kvsim $cmd needs at least one" \
     "$kvsim" $cmd --backend cpu --trace "$dir/s0.h5" "${p[@]}" -q -o "$dir/s0_$cmd.h5"
 done
 [[ ! -e $dir/t0_run.h5 && ! -e $dir/s0_sweep.h5 ]] || { echo "FAIL a results file was written"; fail=1; }
-check "the trace has T = 0 context tokens; kvsim plan --policy needs at least one" \
-  "$kvsim" plan --trace "$dir/t0.h5" --gpu-mem 24GiB --params 7e9 --policy h2o@0.5
 check "the trace has S = 0 decode steps; kvsim plan --policy needs at least one" \
   "$kvsim" plan --trace "$dir/s0.h5" --gpu-mem 24GiB --params 7e9 --policy h2o@0.5
 

@@ -36,6 +36,9 @@ struct SweepPoint {
 };
 
 // "0.1:0.9:0.1,512tok,64MiB" -> budgets (ranges inclusive, rounded to 1e-9).
+// Most budgets a list may expand to, and most points policies x budgets may make (a replay each;
+// the cap keeps a typo such as 0.1:0.9:1e-7, 8 million points, from allocating gigabytes).
+inline constexpr std::size_t kMaxSweepPoints = 10000;
 std::vector<Budget> parse_budget_list(const std::string& text);
 
 // Expands policies x budgets; policies that do not compress tokens (full, int8, ...)
@@ -65,8 +68,8 @@ struct SweepOutput {
 };
 
 // Throws std::runtime_error with one line naming the file unless the trace can be replayed: it
-// needs at least one context token (T >= 1: a cache to compress) and one decode step (S >= 1: the
-// decode queries are the evaluation queries). `who` names the caller in the message ("kvsim run").
+// needs at least one decode step (S >= 1: the decode queries are the evaluation queries; T >= 1 is
+// a rule of the format that the reader enforces). `who` names the caller in the message ("kvsim run").
 void require_replayable(const trace::TraceReader& reader, const std::string& who);
 
 // Throws std::runtime_error (e.g. a trace without decode queries, require_replayable; a metric
