@@ -12,6 +12,8 @@
 #include <string>
 #include <system_error>
 
+#include "kvscope/trace/schema.hpp"
+
 namespace kvscope::sim {
 
 namespace {
@@ -329,20 +331,13 @@ std::vector<PointResult> read_contents(const Reader& r, ResultsMeta* meta) {
   const std::string format = r.attr_string("format");
   if (format != kResultsFormat) r.fail("/@format", "'" + format + "' is not " + kResultsFormat);
   const std::string version = r.attr_string("version");
-  if (version.substr(0, version.find('.')) != "1") {
-    r.fail("/@version", "unsupported version " + version + " (this reader knows 1.x)");
+  int major = -1, minor = -1;
+  if (!trace::parse_version(version, major, minor)) {
+    r.fail("/@version", "'" + version + "' is not MAJOR.MINOR (digits only, e.g. 1.1)");
   }
+  if (major != 1) r.fail("/@version", "unsupported version " + version + " (this reader knows 1.x)");
   // 1.1 added bytes_full_end / bytes_end / bytes_peak and /points/mode: required from 1.1 on; a 1.0
   // file reads with those bytes 0 and every point in prefill mode (the only mode 1.0 knew).
-  const std::size_t dot = version.find('.');
-  int minor = 0;
-  if (dot != std::string::npos) {
-    try {
-      minor = std::stoi(version.substr(dot + 1));
-    } catch (const std::exception&) {
-      r.fail("/@version", "malformed version " + version);
-    }
-  }
   const bool v11 = minor >= 1;
   auto count = [&](const char* name, std::int64_t max) {
     const std::int64_t v = r.attr_i64(name)[0];

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <string>
+#include <vector>
 
 #include "kvscope/sim/results_reader.hpp"
 #include "sim/sample_results.hpp"
@@ -204,6 +205,12 @@ TEST(ResultsReader, RefusesOtherFormatsAndMajorVersions) {
                "/@format", "kvscope-trace");
   expect_error(broken_file("version.h5", [](hid_t f) { set_root_string(f, "version", "2.0"); }), "/@version",
                "2.0");
+  const std::vector<std::string> malformed{"1.7abc", " 1.0", "1", "1.0.0", "1.-1", "x.1"};
+  for (std::size_t i = 0; i < malformed.size(); ++i) {
+    expect_error(broken_file("bad_version_" + std::to_string(i) + ".h5",
+                             [&](hid_t f) { set_root_string(f, "version", malformed[i].c_str()); }),
+                 "/@version", "is not MAJOR.MINOR");
+  }
   // A newer minor version only adds things: still readable.
   const std::string minor = broken_file("minor.h5", [](hid_t f) { set_root_string(f, "version", "1.7"); });
   EXPECT_EQ(read_results_hdf5(minor).size(), 4u);

@@ -69,17 +69,10 @@ struct TraceReader::Impl {
     if (fmt != kFormatName)
       ctx.fail(ErrorKind::kFormat, "/@format", "is '" + fmt + "', not '" + kFormatName + "'");
     const std::string ver = h5::read_attr_string(ctx, root, "/", "version");
-    // Exactly MAJOR.MINOR: one or more digits, a dot, one or more digits (no spaces, signs or suffix).
     int major = -1, minor = -1;
-    const std::size_t dot = ver.find('.');
-    auto digits = [](const std::string& x) {
-      return !x.empty() && x.size() <= 6 && x.find_first_not_of("0123456789") == std::string::npos;
-    };
-    if (dot == std::string::npos || !digits(ver.substr(0, dot)) || !digits(ver.substr(dot + 1))) {
+    if (!parse_version(ver, major, minor)) {
       ctx.fail(ErrorKind::kVersion, "/@version", "'" + ver + "' is not MAJOR.MINOR (digits only, e.g. 1.0)");
     }
-    major = std::stoi(ver.substr(0, dot));
-    minor = std::stoi(ver.substr(dot + 1));
     if (major != kVersionMajor) {
       ctx.fail(ErrorKind::kVersion, "/@version",
                "unsupported trace version " + ver + " (this reader supports " +

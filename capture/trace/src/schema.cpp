@@ -5,6 +5,17 @@
 
 namespace kvscope::trace {
 
+bool parse_version(const std::string& text, int& major, int& minor) {
+  const std::size_t dot = text.find('.');
+  auto digits = [](const std::string& x) {
+    return !x.empty() && x.size() <= 6 && x.find_first_not_of("0123456789") == std::string::npos;
+  };
+  if (dot == std::string::npos || !digits(text.substr(0, dot)) || !digits(text.substr(dot + 1))) return false;
+  major = std::stoi(text.substr(0, dot));
+  minor = std::stoi(text.substr(dot + 1));
+  return true;
+}
+
 std::string layer_group_name(int layer) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "/layers/%03d", layer);

@@ -19,6 +19,10 @@ inline constexpr const char* kFormatName = "kvscope-trace";
 inline constexpr int kVersionMajor = 1;
 inline constexpr int kVersionMinor = 0;
 
+// Parses a `version` attribute of a kvscope file (traces and results): exactly MAJOR.MINOR, one to
+// six digits each side of one dot, nothing else (no spaces, signs, suffixes or third component).
+bool parse_version(const std::string& text, int& major, int& minor);
+
 // "/layers/007" for layer 7 (three digits, more if num_layers > 1000).
 std::string layer_group_name(int layer);
 std::string decode_layer_group_name(int layer);
