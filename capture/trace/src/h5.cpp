@@ -44,6 +44,7 @@ Handle Ctx::check_id(hid_t id, Handle::Closer closer, const std::string& object,
 }
 
 bool exists(hid_t loc, const std::string& path) {
+  note_object_being_read(path);
   // H5Lexists needs every intermediate component to exist: walk them.
   std::size_t pos = 0;
   while (true) {
@@ -114,6 +115,7 @@ void write_attr_u8(const Ctx& c, hid_t obj, const std::string& name, std::uint8_
 }
 
 std::string read_attr_string(const Ctx& c, hid_t obj, const std::string& objpath, const std::string& name) {
+  note_object_being_read(objpath + "@" + name);
   Handle a = open_attr(c, obj, objpath, name);
   const std::string where = objpath + "@" + name;
   Handle ftype = c.check_id(H5Aget_type(a), H5Tclose, where, "H5Aget_type");
@@ -144,6 +146,7 @@ namespace {
 // Reads a scalar numeric attribute converted to `mtype`; bool enums are read through their base type.
 template <typename T>
 T read_attr_numeric(const Ctx& c, hid_t obj, const std::string& objpath, const std::string& name, hid_t mtype) {
+  note_object_being_read(objpath + "@" + name);
   Handle a = open_attr(c, obj, objpath, name);
   const std::string where = objpath + "@" + name;
   Handle ftype = c.check_id(H5Aget_type(a), H5Tclose, where, "H5Aget_type");
@@ -178,6 +181,7 @@ bool read_attr_bool(const Ctx& c, hid_t obj, const std::string& objpath, const s
 }
 
 std::vector<hsize_t> dataset_shape(const Ctx& c, hid_t file, const std::string& path) {
+  note_object_being_read(path);
   if (!exists(file, path)) c.fail(ErrorKind::kMissing, path, "dataset is missing");
   Handle d = c.check_id(H5Dopen2(file, path.c_str(), H5P_DEFAULT), H5Dclose, path, "H5Dopen2");
   Handle s = c.check_id(H5Dget_space(d), H5Sclose, path, "H5Dget_space");
@@ -223,6 +227,7 @@ hid_t memory_type_of(DType t) {
 }
 
 DType tensor_dtype(const Ctx& c, hid_t file, const std::string& path) {
+  note_object_being_read(path);
   if (!exists(file, path)) c.fail(ErrorKind::kMissing, path, "dataset is missing");
   Handle d = c.check_id(H5Dopen2(file, path.c_str(), H5P_DEFAULT), H5Dclose, path, "H5Dopen2");
   Handle t = c.check_id(H5Dget_type(d), H5Tclose, path, "H5Dget_type");
@@ -279,6 +284,7 @@ std::vector<std::uint8_t> read_u8(const Ctx& c, hid_t file, const std::string& p
 
 void read_tensor_slab(const Ctx& c, hid_t file, const std::string& path, DType dtype,
                       const std::vector<hsize_t>& start, const std::vector<hsize_t>& count, void* out) {
+  note_object_being_read(path);
   Handle d = c.check_id(H5Dopen2(file, path.c_str(), H5P_DEFAULT), H5Dclose, path, "H5Dopen2");
   Handle fs = c.check_id(H5Dget_space(d), H5Sclose, path, "H5Dget_space");
   c.check(H5Sselect_hyperslab(fs, H5S_SELECT_SET, start.data(), nullptr, count.data(), nullptr), path,
