@@ -353,8 +353,12 @@ std::vector<PointResult> read_contents(const Reader& r, ResultsMeta* meta) {
 }  // namespace
 
 std::vector<PointResult> read_results_hdf5(const std::string& path, ResultsMeta* meta) {
-  static std::once_flag silence;
-  std::call_once(silence, [] { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); });
+  // Per thread: Debian's thread-safe libhdf5 keeps one error stack (and its printing) per thread.
+  thread_local bool silenced = false;
+  if (!silenced) {
+    H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+    silenced = true;
+  }
   std::error_code ec;
   if (!std::filesystem::is_regular_file(path, ec))
     throw ResultsReadError(path, "", "cannot open: no such file");
