@@ -12,6 +12,8 @@ data padded to 8 bytes). Found by a scan of single-byte changes (docs/robustness
   index) claims 0xff00 more bytes than it has: libhdf5 dies with SIGSEGV reading /tokens/text.
 - heap-hang.h5: byte 9 of the collection header (bits 8-15 of its size) set to 0xff: libhdf5
   loops forever reading the first string attribute (/@format).
+- first_object_crash(): the first object of the first collection (a results file's /@format
+  string) claims 0xff00 more bytes: libhdf5 dies with SIGSEGV reading it.
 h5py only locates /tokens/text's data; the corruption is written byte for byte.
 """
 import os
@@ -49,6 +51,17 @@ def corruptions(src):
     hang = bytearray(data)
     hang[at + 9] = 0xFF
     return {"heap-crash.h5": bytes(crash), "heap-hang.h5": bytes(hang)}
+
+
+def first_object_crash(src, dst):
+    data = bytearray(open(src, "rb").read())
+    at = data.find(b"GCOL")
+    if at < 0:
+        raise SystemExit(f"{src}: no global heap collection")
+    data[at + 16 + 9] = 0xFF
+    with open(dst, "wb") as f:
+        f.write(data)
+    return dst
 
 
 def write_corruptions(src, outdir):
