@@ -152,7 +152,7 @@ int export_chrome_command(const std::vector<std::string>& args) {
       "unwritable output.\n\nOptions");
   opts.add_options()("help,h", "show this help")("file", po::value<std::string>(), "trace file (.h5)")(
       "output,o", po::value<std::string>(), "output JSON file (required)")("trusted-files",
-                                                                          trace::kTrustedFilesHelp);
+                                                                           trace::kTrustedFilesHelp);
   po::positional_options_description pos;
   pos.add("file", 1);
   po::variables_map vm;

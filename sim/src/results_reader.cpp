@@ -56,7 +56,8 @@ class Reader {
   Reader(std::string path, hid_t file) : path_(std::move(path)), file_(file) {}
 
   [[noreturn]] void fail(const std::string& object, const std::string& message) const {
-    trace::note_failure(trace::ErrorKind::kCorrupt, path_, object, message);  // survives a crash in the cleanup
+    // Kept for the isolated pre-check: survives a crash in the cleanup that follows.
+    trace::note_failure(trace::ErrorKind::kCorrupt, path_, object, message);
     throw ResultsReadError(path_, object, message);
   }
 
@@ -386,7 +387,8 @@ void check_results_file(const std::string& path) {
       try {
         (void)read_results_hdf5(path);
       } catch (const ResultsReadError& e) {
-        throw trace::TraceError(trace::ErrorKind::kCorrupt, e.file(), e.object(), bare_message(e, e.file(), e.object()));
+        throw trace::TraceError(trace::ErrorKind::kCorrupt, e.file(), e.object(),
+                                bare_message(e, e.file(), e.object()));
       }
     });
   } catch (const trace::TraceError& e) {
