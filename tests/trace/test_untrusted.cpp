@@ -2,6 +2,7 @@
 // refused without being opened; a check that crashes, hangs or allocates beyond the limit in its
 // child becomes one TraceError naming the file and the object, in bounded time; errors raised in
 // the child come back with their kind, object and message.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -15,8 +16,10 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <thread>
 #include <vector>
 
+#include "kvscope/trace/reader.hpp"
 #include "kvscope/trace/untrusted.hpp"
 
 namespace fs = std::filesystem;
@@ -239,6 +242,39 @@ TEST_F(Untrusted, ShippedTracePassesBothPasses) {
   EXPECT_GT(r.num_layers, 0);
   EXPECT_GT(calls, 0u);  // progress forwarded from the child
   EXPECT_GT(last_total, 0u);
+}
+
+TEST_F(Untrusted, HDF5ErrorStackIsSilentOnEveryThread) {
+  // Debian's libhdf5 keeps one error stack (and its automatic printing) per thread: a read that
+  // fails on a worker thread (kvview's layer jobs) must print nothing either.
+  const char* src = std::getenv("KVSCOPE_SOURCE_DIR");
+  ASSERT_NE(src, nullptr);
+  const std::string t = path("truncated.h5");
+  fs::copy_file(std::string(src) + "/traces/tiny-synth.h5", t);
+  TraceReader reader(t);  // opened (and silenced) on this thread
+  const int last = reader.layers_present() - 1;
+  fs::resize_file(t, fs::file_size(t) / 4);  // the layers' chunks are gone now
+  const std::string err_file = path("stderr.txt");
+  std::fflush(stderr);
+  const int saved = ::dup(STDERR_FILENO);
+  const int fd = ::open(err_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  ASSERT_GE(fd, 0);
+  ::dup2(fd, STDERR_FILENO);
+  std::string what;
+  std::thread worker([&] {
+    try {
+      (void)reader.read_layer(last);
+    } catch (const TraceError& e) {
+      what = e.what();
+    }
+  });
+  worker.join();
+  std::fflush(stderr);
+  ::dup2(saved, STDERR_FILENO);
+  ::close(saved);
+  ::close(fd);
+  EXPECT_NE(what.find("/layers/"), std::string::npos) << what;
+  EXPECT_EQ(fs::file_size(err_file), 0u) << "HDF5 printed its error stack on the worker thread";
 }
 
 }  // namespace
