@@ -15,6 +15,7 @@
 #include "kvscope/sim/pareto.hpp"
 #include "kvscope/sim/report.hpp"
 #include "kvscope/sim/sweep.hpp"
+#include "kvscope/trace/untrusted.hpp"
 
 namespace po = boost::program_options;
 
@@ -98,13 +99,14 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
       "CPU threads for the kernels (0 = all cores; at most 4 x the hardware threads, 1024)")(
       "backend", po::value<std::string>()->default_value("auto"),
       "kernels to run on: cpu, cuda (exit 2 without a CUDA build or GPU), or auto (CUDA when this kvsim was "
-      "built with it and a GPU is present, else CPU); the choice is printed on stderr")(
+      "built with it and a GPU is present, else CPU); the choice is printed in the summary on stdout")(
       "layers", "also print the per-layer table of each point")(
       "explain", "print the evidence and suggested fix of every collapse flag (default: Pareto points only)")(
       "blind-recall", po::value<double>()->default_value(0.5, "0.5"),
       "visual blindness: vision recall threshold")(
       "kl-threshold", po::value<double>()->default_value(0.1, "0.1"),
-      "over-compression: KL threshold in the last layers")("quiet,q", "no progress bar");
+      "over-compression: KL threshold in the last layers")("quiet,q", "no progress bar")(
+      "trusted-files", trace::kTrustedFilesHelp);
   po::variables_map vm;
   const std::string name = "kvsim " + command;
   try {
@@ -124,6 +126,14 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
   }
   if (!sweep && !vm.count("policy")) {
     std::cerr << name << ": missing --policy NAME[@BUDGET] (see " << name << " --help)\n";
+    return 2;
+  }
+  // Untrusted input: parsed first in an isolated child, before any thread or device is started.
+  if (vm.count("trusted-files")) trace::set_trusted_files(true);
+  try {
+    trace::check_trace_file(vm["trace"].as<std::string>());
+  } catch (const trace::TraceError& e) {
+    std::cerr << name << ": " << e.what() << "\n";
     return 2;
   }
   const int threads = vm["threads"].as<int>();
