@@ -589,6 +589,16 @@ void VlenBudget::free_string(char* s) {
   if (s) std::free(reinterpret_cast<unsigned char*>(s) - kVlenHeader);
 }
 
+void VlenBudget::fail_read(herr_t status) const {
+  if (exhausted_) {
+    last_error_message();
+    c_.fail(ErrorKind::kValue, path_,
+            "strings of more than " + std::to_string(budget_) + " bytes in all (the limit)");
+  }
+  c_.check(status, path_, "H5Dread");
+  c_.fail(ErrorKind::kCorrupt, path_, "H5Dread failed");
+}
+
 void VlenBudget::check_string(const char* s, const std::string& object, std::size_t index) const {
   if (!s) return;
   std::size_t size = 0;
@@ -694,13 +704,7 @@ std::vector<std::string> read_strings(const Ctx& c, hid_t file, const std::strin
     };
     if (st < 0) {
       reclaim();
-      if (budget.exhausted()) {
-        h5::last_error_message();
-        c.fail(
-            ErrorKind::kValue, path,
-            "strings of more than " + std::to_string(limits::kMaxStringBytes) + " bytes in all (the limit)");
-      }
-      c.check(st, path, "H5Dread");
+      budget.fail_read(st);
     }
     try {
       for (hsize_t i = 0; i < n; ++i) {

@@ -129,9 +129,11 @@ class VlenBudget {
  public:
   VlenBudget(const Ctx& c, const std::string& path, std::uint64_t budget);
   hid_t dxpl() const { return dxpl_; }
-  bool exhausted() const { return exhausted_; }
   // Throws when `s` (allocated by this budget) holds fewer bytes than its stored length said.
   void check_string(const char* s, const std::string& object, std::size_t index) const;
+  // After a failed H5Dread through dxpl() (status < 0; the caller has freed what it got): throws
+  // kValue when the budget ran out, else kCorrupt with HDF5's message.
+  [[noreturn]] void fail_read(herr_t status) const;
   static void free_string(char* s);
 
  private:

@@ -510,13 +510,7 @@ Profile TraceReader::read_profile() const {
     if (st < 0) {
       reclaim();
       rows.clear();
-      if (budget.exhausted()) {
-        h5::last_error_message();
-        c.fail(
-            ErrorKind::kValue, path,
-            "strings of more than " + std::to_string(limits::kMaxStringBytes) + " bytes in all (the limit)");
-      }
-      c.check(st, path, "H5Dread");
+      budget.fail_read(st);
     }
     try {
       for (std::size_t i = 0; i < rows.size(); ++i) {
