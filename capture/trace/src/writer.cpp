@@ -162,7 +162,10 @@ TraceWriter::~TraceWriter() = default;
 
 const std::string& TraceWriter::path() const { return impl_->ctx.file; }
 
+// Every method silences HDF5 on its calling thread (HDF5 prints errors per thread, and a capture
+// session writes on a thread of its own, not the one that made the writer).
 void TraceWriter::write_tokens(const Tokens& t) {
+  h5::silence_errors();
   Impl& m = *impl_;
   if (m.closed) m.ctx.fail(ErrorKind::kUsage, "/tokens", "write after close()");
   if (m.tokens_written) m.ctx.fail(ErrorKind::kUsage, "/tokens", "written twice");
@@ -209,6 +212,7 @@ void TraceWriter::write_tokens(const Tokens& t) {
 }
 
 void TraceWriter::write_layer(int layer, const TensorView& q, const TensorView& k, const TensorView& v) {
+  h5::silence_errors();
   Impl& m = *impl_;
   m.check_layer(layer, "write_layer");
   const auto li = static_cast<std::size_t>(layer);
@@ -223,6 +227,7 @@ void TraceWriter::write_layer(int layer, const TensorView& q, const TensorView& 
 }
 
 void TraceWriter::write_layer_aggregates(int layer, const LayerAggregates& a) {
+  h5::silence_errors();
   Impl& m = *impl_;
   m.check_layer(layer, "write_layer_aggregates");
   const std::string g = layer_group_name(layer);
@@ -242,6 +247,7 @@ void TraceWriter::write_layer_aggregates(int layer, const LayerAggregates& a) {
 }
 
 void TraceWriter::write_decode_layer(int layer, const TensorView& q, const TensorView& k, const TensorView& v) {
+  h5::silence_errors();
   Impl& m = *impl_;
   m.check_layer(layer, "write_decode_layer");
   const auto li = static_cast<std::size_t>(layer);
@@ -258,6 +264,7 @@ void TraceWriter::write_decode_layer(int layer, const TensorView& q, const Tenso
 void TraceWriter::write_decode_tokens(const std::vector<std::int32_t>& token_id,
                                       const std::vector<std::int32_t>& position,
                                       const std::vector<std::string>& text) {
+  h5::silence_errors();
   Impl& m = *impl_;
   if (m.closed) m.ctx.fail(ErrorKind::kUsage, "/decode/tokens", "write after close()");
   if (m.decode_tokens_written) m.ctx.fail(ErrorKind::kUsage, "/decode/tokens", "written twice");
@@ -280,6 +287,7 @@ void TraceWriter::write_decode_tokens(const std::vector<std::int32_t>& token_id,
 }
 
 void TraceWriter::write_profile(const Profile& p) {
+  h5::silence_errors();
   Impl& m = *impl_;
   if (m.closed) m.ctx.fail(ErrorKind::kUsage, "/profile", "write after close()");
   if (m.profile_written) m.ctx.fail(ErrorKind::kUsage, "/profile", "written twice");
@@ -304,6 +312,7 @@ void TraceWriter::write_profile(const Profile& p) {
 }
 
 void TraceWriter::set_num_decode_steps(std::size_t num_decode_steps) {
+  h5::silence_errors();
   Impl& m = *impl_;
   if (m.closed) m.ctx.fail(ErrorKind::kUsage, "/decode", "set_num_decode_steps after close()");
   const bool any_decode_layer =
@@ -318,12 +327,14 @@ void TraceWriter::set_num_decode_steps(std::size_t num_decode_steps) {
 std::size_t TraceWriter::num_decode_steps() const { return impl_->S; }
 
 void TraceWriter::flush() {
+  h5::silence_errors();
   Impl& m = *impl_;
   if (m.closed) return;
   m.ctx.check(H5Fflush(m.file, H5F_SCOPE_GLOBAL), "", "H5Fflush");
 }
 
 void TraceWriter::close() {
+  h5::silence_errors();
   Impl& m = *impl_;
   if (m.closed) return;
   auto missing = [&](const std::string& what) {
