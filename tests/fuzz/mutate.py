@@ -630,6 +630,8 @@ def main():
     ap.add_argument("--summary-json", default=None, help="also write the summary as JSON here")
     ap.add_argument("--replay", action="append", default=[],
                     help="run the tools on this file as is (no mutation; repeat); for regression checks")
+    ap.add_argument("--expect-reject", action="store_true",
+                    help="with --replay: the file is invalid by the format, kvcap validate must refuse it")
     ap.add_argument("--harness", default=None,
                     help="with --replay: also run this fuzz_replay binary (the libFuzzer target's steps in one "
                          "process) on the file; it must exit 0")
@@ -761,7 +763,7 @@ def main():
             kind = "results" if os.path.basename(path).startswith("results") else "trace"
             stats["replay"]["cases"] += 1
             for view in (RESULTS_VIEWS if kind == "results" else ["overview"]):
-                run_case(-1, "replay", kind, "replay " + r, path, view_ok, view)
+                run_case(-1, "replay", kind, "replay " + r, path, view_ok, view, args.expect_reject)
             if args.harness:
                 cmd = [os.path.abspath(args.harness), path]
                 rc, stderr, secs, rss, to = run_tool(cmd, args.timeout, mem, env)
