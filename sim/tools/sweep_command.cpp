@@ -163,6 +163,13 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
   }
   try {
     trace::TraceReader reader(vm["trace"].as<std::string>());
+    // A trace without decode steps is valid (docs/trace-format.md section 4) but has no evaluation
+    // queries to replay: refuse it here, before any layer is read.
+    if (reader.num_decode_steps() == 0) {
+      throw trace::TraceError(trace::ErrorKind::kValue, reader.path(), "/decode/tokens/token_id",
+                              "no decode steps (S = 0): kvsim " + command +
+                                  " needs at least one evaluation query to replay the trace");
+    }
     const TraceSummary summary = summarize(reader);
     SweepOptions so;
     so.backend = backend;

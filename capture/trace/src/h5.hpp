@@ -64,6 +64,8 @@ struct Ctx {
 };
 
 bool exists(hid_t loc, const std::string& path);  // link exists (every path component)
+// Same, but an HDF5 error while looking (a corrupt group) is a kCorrupt TraceError, not "absent".
+bool exists(const Ctx& c, hid_t loc, const std::string& path);
 bool attr_exists(hid_t obj, const std::string& name);
 
 // Attributes (scalar). Readers accept any integer/float class the library can convert,
@@ -77,6 +79,17 @@ std::int64_t read_attr_i64(const Ctx& c, hid_t obj, const std::string& objpath, 
 double read_attr_f64(const Ctx& c, hid_t obj, const std::string& objpath, const std::string& name);
 bool read_attr_bool(const Ctx& c, hid_t obj, const std::string& objpath, const std::string& name);
 
+// Checks that a dataset can hold `declared_bytes` of data before anything of that size is
+// allocated: the bytes it stores (H5Dget_storage_size) must fit in the file, and the declared
+// bytes must not exceed what those stored bytes can expand to (x1 without filters,
+// x limits::kMaxCompressionRatio with filters); datasets of at most limits::kStorageSlackBytes pass.
+void check_storage(const Ctx& c, hid_t dset, const std::string& path, std::uint64_t declared_bytes);
+// Fails when `count` elements of `elem_bytes` exceed limits::kMaxReadBytes (one buffer).
+void check_alloc(const Ctx& c, const std::string& path, std::uint64_t count, std::uint64_t elem_bytes);
+// Both checks for a read of `alloc_count` elements of `dtype` from tensor dataset `path`.
+void check_tensor_read(const Ctx& c, hid_t file, const std::string& path, DType dtype,
+                       std::uint64_t alloc_count);
+
 // Dataset shape (throws kMissing when absent).
 std::vector<hsize_t> dataset_shape(const Ctx& c, hid_t file, const std::string& path);
 
@@ -86,10 +99,43 @@ hid_t half_type();              // IEEE binary16 little-endian (never close it)
 hid_t file_type_of(DType t);    // stored HDF5 type (never close it)
 hid_t memory_type_of(DType t);  // native memory type for reading raw elements
 
-// Reads a whole integer dataset converted to int32 / uint8; checks its length.
+// Reads a whole integer dataset of any integer type as int64 (unsigned values above INT64_MAX are
+// an error); checks its shape and storage. read_i32 also range-checks every value to int32.
+std::vector<std::int64_t> read_i64(const Ctx& c, hid_t file, const std::string& path,
+                                   const std::vector<hsize_t>& expect_shape);
 std::vector<std::int32_t> read_i32(const Ctx& c, hid_t file, const std::string& path,
                                    const std::vector<hsize_t>& expect_shape);
-std::vector<std::uint8_t> read_u8(const Ctx& c, hid_t file, const std::string& path, hsize_t expect_len);
+// Reads a whole float32 dataset (the datatype must be exactly IEEE binary32 little-endian).
+std::vector<float> read_f32(const Ctx& c, hid_t file, const std::string& path,
+                            const std::vector<hsize_t>& expect_shape);
+
+// Reads a 1-D string dataset of length n (fixed- or variable-length, ASCII or UTF-8). Variable-length
+// strings are bounded before reading (contiguous layout: the stored lengths are checked against the
+// file size and limits::kMaxStringBytes) and while reading (a budget of limits::kMaxStringBytes), and a
+// stored length that disagrees with the string read is an error.
+std::vector<std::string> read_strings(const Ctx& c, hid_t file, const std::string& path, hsize_t n);
+
+// A dataset-transfer property list whose variable-length allocations are bounded: more than
+// `budget` bytes in all fails the read. Strings allocated through it are freed by free_string(),
+// and checked by check_string() (the stored length must equal the string's length).
+class VlenBudget {
+ public:
+  VlenBudget(const Ctx& c, const std::string& path, std::uint64_t budget);
+  hid_t dxpl() const { return dxpl_; }
+  bool exhausted() const { return exhausted_; }
+  // Throws when `s` (allocated by this budget) holds fewer bytes than its stored length said.
+  void check_string(const char* s, const std::string& object, std::size_t index) const;
+  static void free_string(char* s);
+
+ private:
+  static void* alloc(std::size_t size, void* info);
+  static void release(void* p, void* info);
+  const Ctx& c_;
+  std::string path_;
+  Handle dxpl_;
+  std::uint64_t budget_, used_ = 0;
+  bool exhausted_ = false;
+};
 
 // Reads the hyperslab [start, start+count) of a tensor dataset as raw elements of `dtype`.
 void read_tensor_slab(const Ctx& c, hid_t file, const std::string& path, DType dtype,

@@ -1,17 +1,23 @@
 #include "kvscope/trace/reader.hpp"
 
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <map>
+#include <set>
 
 #include "h5.hpp"
+#include "kvscope/trace/limits.hpp"
 
 namespace kvscope::trace {
 
 using h5::Handle;
 
-const char* tensor_kind_name(TensorKind k) { return k == TensorKind::kQ ? "q" : k == TensorKind::kK ? "k" : "v"; }
+const char* tensor_kind_name(TensorKind k) {
+  return k == TensorKind::kQ ? "q" : k == TensorKind::kK ? "k" : "v";
+}
 
 struct TraceReader::Impl {
   h5::Ctx ctx;
@@ -24,36 +30,18 @@ struct TraceReader::Impl {
   int layers_present = 0, decode_layers_present = 0;
 
   std::vector<std::string> read_strings(const std::string& path, hsize_t n) {
-    if (dataset_shape_checked(path) != std::vector<hsize_t>{n}) {
-      ctx.fail(ErrorKind::kShape, path, "expected length " + std::to_string(n));
-    }
-    Handle d = ctx.check_id(H5Dopen2(file, path.c_str(), H5P_DEFAULT), H5Dclose, path, "H5Dopen2");
-    Handle ft = ctx.check_id(H5Dget_type(d), H5Tclose, path, "H5Dget_type");
-    if (H5Tget_class(ft) != H5T_STRING) ctx.fail(ErrorKind::kDType, path, "must be a string dataset");
-    std::vector<std::string> out(n);
-    if (n == 0) return out;
-    if (H5Tis_variable_str(ft) > 0) {
-      Handle mt = ctx.check_id(H5Tcopy(H5T_C_S1), H5Tclose, path, "H5Tcopy");
-      H5Tset_size(mt, H5T_VARIABLE);
-      H5Tset_cset(mt, H5Tget_cset(ft));
-      std::vector<char*> ptrs(n, nullptr);
-      ctx.check(H5Dread(d, mt, H5S_ALL, H5S_ALL, H5P_DEFAULT, ptrs.data()), path, "H5Dread");
-      for (hsize_t i = 0; i < n; ++i) out[i] = ptrs[i] ? ptrs[i] : "";
-      Handle sp = ctx.check_id(H5Dget_space(d), H5Sclose, path, "H5Dget_space");
-      H5Dvlen_reclaim(mt, sp, H5P_DEFAULT, ptrs.data());
-    } else {
-      const std::size_t w = H5Tget_size(ft);
-      std::vector<char> buf(w * n);
-      Handle mt = ctx.check_id(H5Tcopy(H5T_C_S1), H5Tclose, path, "H5Tcopy");
-      H5Tset_size(mt, w);
-      H5Tset_strpad(mt, H5T_STR_NULLPAD);
-      ctx.check(H5Dread(d, mt, H5S_ALL, H5S_ALL, H5P_DEFAULT, buf.data()), path, "H5Dread");
-      for (hsize_t i = 0; i < n; ++i) out[i] = std::string(buf.data() + i * w, strnlen(buf.data() + i * w, w));
-    }
-    return out;
+    return h5::read_strings(ctx, file, path, n);
   }
 
-  std::vector<hsize_t> dataset_shape_checked(const std::string& path) { return h5::dataset_shape(ctx, file, path); }
+  std::vector<hsize_t> dataset_shape_checked(const std::string& path) {
+    return h5::dataset_shape(ctx, file, path);
+  }
+
+  static std::string shape_text(const std::vector<hsize_t>& v) {
+    std::string s = "[";
+    for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+    return s + "]";
+  }
 
   void expect_tensor(const std::string& path, hsize_t heads, hsize_t tokens) {
     const std::vector<hsize_t> want{heads, tokens, static_cast<hsize_t>(header.geometry.head_dim)};
@@ -64,7 +52,8 @@ struct TraceReader::Impl {
         for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
         return s + "]";
       };
-      ctx.fail(ErrorKind::kShape, path, "shape " + str(got) + ", expected " + str(want) + " [heads, tokens, head_dim]");
+      ctx.fail(ErrorKind::kShape, path,
+               "shape " + str(got) + ", expected " + str(want) + " [heads, tokens, head_dim]");
     }
     const DType dt = h5::tensor_dtype(ctx, file, path);
     if (dt != header.dtype) {
@@ -77,15 +66,24 @@ struct TraceReader::Impl {
   void read_header() {
     hid_t root = file;
     const std::string fmt = h5::read_attr_string(ctx, root, "/", "format");
-    if (fmt != kFormatName) ctx.fail(ErrorKind::kFormat, "/@format", "is '" + fmt + "', not '" + kFormatName + "'");
+    if (fmt != kFormatName)
+      ctx.fail(ErrorKind::kFormat, "/@format", "is '" + fmt + "', not '" + kFormatName + "'");
     const std::string ver = h5::read_attr_string(ctx, root, "/", "version");
+    // Exactly MAJOR.MINOR: one or more digits, a dot, one or more digits (no spaces, signs or suffix).
     int major = -1, minor = -1;
-    if (std::sscanf(ver.c_str(), "%d.%d", &major, &minor) != 2 || major < 0 || minor < 0) {
-      ctx.fail(ErrorKind::kVersion, "/@version", "'" + ver + "' is not MAJOR.MINOR");
+    const std::size_t dot = ver.find('.');
+    auto digits = [](const std::string& x) {
+      return !x.empty() && x.size() <= 6 && x.find_first_not_of("0123456789") == std::string::npos;
+    };
+    if (dot == std::string::npos || !digits(ver.substr(0, dot)) || !digits(ver.substr(dot + 1))) {
+      ctx.fail(ErrorKind::kVersion, "/@version", "'" + ver + "' is not MAJOR.MINOR (digits only, e.g. 1.0)");
     }
+    major = std::stoi(ver.substr(0, dot));
+    minor = std::stoi(ver.substr(dot + 1));
     if (major != kVersionMajor) {
       ctx.fail(ErrorKind::kVersion, "/@version",
-               "unsupported trace version " + ver + " (this reader supports " + std::to_string(kVersionMajor) + ".x)");
+               "unsupported trace version " + ver + " (this reader supports " +
+                   std::to_string(kVersionMajor) + ".x)");
     }
     header.version_major = major;
     header.version_minor = minor;
@@ -99,16 +97,28 @@ struct TraceReader::Impl {
     header.device = opt_string("device");
     ModelGeometry& g = header.geometry;
     g.model_name = opt_string("model_name");
-    auto positive = [&](const char* name) {
+    auto positive = [&](const char* name, std::int64_t max) {
       const std::int64_t v = h5::read_attr_i64(ctx, root, "/", name);
-      if (v <= 0 || v > 1'000'000) ctx.fail(ErrorKind::kValue, std::string("/@") + name, "must be a positive count, got " + std::to_string(v));
+      if (v <= 0)
+        ctx.fail(ErrorKind::kValue, std::string("/@") + name,
+                 "must be a positive count, got " + std::to_string(v));
+      if (v > max) {
+        ctx.fail(ErrorKind::kValue, std::string("/@") + name,
+                 std::to_string(v) + " is more than the limit of " + std::to_string(max) +
+                     " (docs/trace-format.md)");
+      }
       return static_cast<int>(v);
     };
-    g.num_layers = positive("num_layers");
-    g.num_q_heads = positive("num_q_heads");
-    g.num_kv_heads = positive("num_kv_heads");
-    g.head_dim = positive("head_dim");
+    g.num_layers = positive("num_layers", limits::kMaxLayers);
+    g.num_q_heads = positive("num_q_heads", limits::kMaxHeads);
+    g.num_kv_heads = positive("num_kv_heads", limits::kMaxHeads);
+    g.head_dim = positive("head_dim", limits::kMaxHeadDim);
     g.rope_theta = h5::read_attr_f64(ctx, root, "/", "rope_theta");
+    if (!std::isfinite(g.rope_theta) || !(g.rope_theta > 0)) {
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "%g", g.rope_theta);
+      ctx.fail(ErrorKind::kValue, "/@rope_theta", std::string("must be a finite number > 0, got ") + buf);
+    }
     if (g.num_q_heads % g.num_kv_heads != 0) {
       ctx.fail(ErrorKind::kValue, "/@num_kv_heads",
                "num_q_heads " + std::to_string(g.num_q_heads) + " is not a multiple of num_kv_heads " +
@@ -120,13 +130,31 @@ struct TraceReader::Impl {
     const std::vector<hsize_t> ms = h5::dataset_shape(ctx, file, "/tokens/modality");
     if (ms.size() != 1) ctx.fail(ErrorKind::kShape, "/tokens/modality", "must be 1-D [T]");
     T = ms[0];
-    tokens.modality = h5::read_u8(ctx, file, "/tokens/modality", T);
+    if (T == 0)
+      ctx.fail(ErrorKind::kValue, "/tokens/modality", "T = 0: a trace needs at least one context token");
+    if (T > limits::kMaxTokens) {
+      ctx.fail(ErrorKind::kValue, "/tokens/modality",
+               "T = " + std::to_string(T) + " tokens, more than the limit of " +
+                   std::to_string(limits::kMaxTokens));
+    }
+    // The layers' token axis must agree before /tokens is read whole.
+    if (exists(layer_group_name(0) + "/k")) {
+      const auto ks = h5::dataset_shape(ctx, file, layer_group_name(0) + "/k");
+      if (ks.size() == 3 && ks[1] != T) {
+        ctx.fail(
+            ErrorKind::kShape, layer_group_name(0) + "/k",
+            "has " + std::to_string(ks[1]) + " tokens but /tokens/modality has T = " + std::to_string(T));
+      }
+    }
+    const std::vector<std::int64_t> modality = h5::read_i64(ctx, file, "/tokens/modality", {T});
+    tokens.modality.resize(T);
     for (std::size_t i = 0; i < T; ++i) {
-      if (tokens.modality[i] >= kernels::kNumModalities) {
+      if (modality[i] < 0 || modality[i] >= kernels::kNumModalities) {
         ctx.fail(ErrorKind::kValue, "/tokens/modality",
-                 "bad modality code " + std::to_string(tokens.modality[i]) + " at token " + std::to_string(i) +
+                 "bad modality code " + std::to_string(modality[i]) + " at token " + std::to_string(i) +
                      " (allowed: 0 text, 1 vision, 2 audio, 3 special)");
       }
+      tokens.modality[i] = static_cast<std::uint8_t>(modality[i]);
     }
     tokens.position = h5::read_i32(ctx, file, "/tokens/position", {T});
     tokens.token_id = h5::read_i32(ctx, file, "/tokens/token_id", {T});
@@ -138,63 +166,144 @@ struct TraceReader::Impl {
       tokens.grid_row[i] = grid[2 * i];
       tokens.grid_col[i] = grid[2 * i + 1];
     }
-    if (h5::exists(file, "/tokens/text")) tokens.text = read_strings("/tokens/text", T);
+    check_grid();
+    if (exists("/tokens/text")) tokens.text = read_strings("/tokens/text", T);
   }
+
+  // Vision tokens have a cell (row, col >= 0), every other token (-1, -1); the vision tokens of one
+  // segment (one image) are one contiguous run whose cells are distinct and include (0, 0).
+  void check_grid() {
+    const std::string obj = "/tokens/grid";
+    auto cell = [&](std::size_t i) {
+      return "(" + std::to_string(tokens.grid_row[i]) + ", " + std::to_string(tokens.grid_col[i]) + ")";
+    };
+    std::set<std::int32_t> done_segments;
+    std::set<std::pair<std::int32_t, std::int32_t>> cells;
+    std::size_t run_start = 0;
+    bool in_run = false, has_origin = false;
+    auto end_run = [&](std::size_t end) {
+      if (in_run && !has_origin) {
+        ctx.fail(ErrorKind::kValue, obj,
+                 "image of segment " + std::to_string(tokens.segment[run_start]) + " (tokens " +
+                     std::to_string(run_start) + ".." + std::to_string(end - 1) +
+                     ") has no cell (0, 0): one image split over two segments?");
+      }
+      in_run = false;
+    };
+    for (std::size_t i = 0; i < T; ++i) {
+      const bool vision = tokens.modality[i] == static_cast<std::uint8_t>(kernels::Modality::kVision);
+      if (!vision) {
+        end_run(i);
+        if (tokens.grid_row[i] != -1 || tokens.grid_col[i] != -1) {
+          ctx.fail(ErrorKind::kValue, obj,
+                   "token " + std::to_string(i) + " is not a vision token but has grid cell " + cell(i) +
+                       " (non-vision tokens have (-1, -1))");
+        }
+        continue;
+      }
+      if (tokens.grid_row[i] < 0 || tokens.grid_col[i] < 0) {
+        ctx.fail(ErrorKind::kValue, obj,
+                 "vision token " + std::to_string(i) + " has grid cell " + cell(i) +
+                     " (row and col must be >= 0)");
+      }
+      if (in_run && tokens.segment[i] != tokens.segment[run_start]) end_run(i);
+      if (!in_run) {
+        if (!done_segments.insert(tokens.segment[i]).second) {
+          ctx.fail(ErrorKind::kValue, "/tokens/segment",
+                   "vision tokens of segment " + std::to_string(tokens.segment[i]) +
+                       " are not one contiguous run (again at token " + std::to_string(i) +
+                       "): one image must be one run of tokens");
+        }
+        in_run = true;
+        run_start = i;
+        has_origin = false;
+        cells.clear();
+      }
+      if (!cells.insert({tokens.grid_row[i], tokens.grid_col[i]}).second) {
+        ctx.fail(ErrorKind::kValue, obj,
+                 "duplicate grid cell " + cell(i) + " at token " + std::to_string(i) +
+                     " in the image of segment " + std::to_string(tokens.segment[i]));
+      }
+      if (tokens.grid_row[i] == 0 && tokens.grid_col[i] == 0) has_origin = true;
+    }
+    end_run(T);
+  }
+
+  bool exists(const std::string& path) const { return h5::exists(ctx, file, path); }
 
   void read_decode_tokens() {
     const std::vector<hsize_t> s = h5::dataset_shape(ctx, file, "/decode/tokens/token_id");
     if (s.size() != 1) ctx.fail(ErrorKind::kShape, "/decode/tokens/token_id", "must be 1-D [S]");
     S = s[0];
+    if (S > limits::kMaxDecodeSteps) {
+      ctx.fail(ErrorKind::kValue, "/decode/tokens/token_id",
+               "S = " + std::to_string(S) + " decode steps, more than the limit of " +
+                   std::to_string(limits::kMaxDecodeSteps));
+    }
     decode.token_id = h5::read_i32(ctx, file, "/decode/tokens/token_id", {S});
     decode.position = h5::read_i32(ctx, file, "/decode/tokens/position", {S});
-    if (h5::exists(file, "/decode/tokens/text")) decode.text = read_strings("/decode/tokens/text", S);
+    if (exists("/decode/tokens/text")) decode.text = read_strings("/decode/tokens/text", S);
   }
 
   void check_layers() {
     const ModelGeometry& g = header.geometry;
     const auto Hq = static_cast<hsize_t>(g.num_q_heads), Hkv = static_cast<hsize_t>(g.num_kv_heads);
     layers_present = decode_layers_present = 0;
-    if (!header.complete && !h5::exists(file, layer_group_name(0) + "/k")) return;  // nothing captured yet
+    if (!header.complete && !exists(layer_group_name(0) + "/k")) return;  // nothing captured yet
     // The trace dtype is the dtype of the first layer's keys; a root `dtype` attribute must agree.
     header.dtype = h5::tensor_dtype(ctx, file, layer_group_name(0) + "/k");
     if (h5::attr_exists(file, "dtype")) {
       const std::string d = h5::read_attr_string(ctx, file, "/", "dtype");
       if (d != kernels::dtype_name(header.dtype)) {
-        ctx.fail(ErrorKind::kDType, "/@dtype", "says '" + d + "' but tensors are " + kernels::dtype_name(header.dtype));
+        ctx.fail(ErrorKind::kDType, "/@dtype",
+                 "says '" + d + "' but tensors are " + kernels::dtype_name(header.dtype));
       }
     }
     // A writer that stopped before /tokens (a live capture records layers as they come) left
     // the layers' T as the only record of the context length.
-    if (!header.complete && !h5::exists(file, "/tokens/modality")) {
+    if (!header.complete && !exists("/tokens/modality")) {
       const std::vector<hsize_t> ks = h5::dataset_shape(ctx, file, layer_group_name(0) + "/k");
       if (ks.size() == 3) T = ks[1];
     }
     // An incomplete trace (its writer stopped) is described up to the first missing group.
     for (int l = 0; l < g.num_layers; ++l) {
       const std::string lg = layer_group_name(l);
-      if (!h5::exists(file, lg + "/v")) {
+      if (!exists(lg + "/v")) {
         if (!header.complete) break;
-        if (!h5::exists(file, lg)) {
-          ctx.fail(ErrorKind::kMissing, lg, "layer group is missing (num_layers = " + std::to_string(g.num_layers) + ")");
+        if (!exists(lg)) {
+          ctx.fail(ErrorKind::kMissing, lg,
+                   "layer group is missing (num_layers = " + std::to_string(g.num_layers) + ")");
         }
       }
       expect_tensor(lg + "/q", Hq, T);
       expect_tensor(lg + "/k", Hkv, T);
       expect_tensor(lg + "/v", Hkv, T);
-      if (h5::exists(file, lg + "/attn_colsum") && h5::dataset_shape(ctx, file, lg + "/attn_colsum") != std::vector<hsize_t>{Hq, T}) {
-        ctx.fail(ErrorKind::kShape, lg + "/attn_colsum", "expected [num_q_heads, T]");
+      if (exists(lg + "/attn_colsum")) {
+        const auto cs = h5::dataset_shape(ctx, file, lg + "/attn_colsum");
+        if (cs != std::vector<hsize_t>{Hq, T}) {
+          ctx.fail(ErrorKind::kShape, lg + "/attn_colsum",
+                   "shape " + shape_text(cs) + ", expected [num_q_heads, T] = " + shape_text({Hq, T}));
+        }
       }
-      if (h5::exists(file, lg + "/attn_window")) {
+      if (exists(lg + "/attn_window")) {
         const auto ws = h5::dataset_shape(ctx, file, lg + "/attn_window");
-        if (ws.size() != 3 || ws[0] != Hq || ws[2] != T) ctx.fail(ErrorKind::kShape, lg + "/attn_window", "expected [num_q_heads, W, T]");
+        if (ws.size() != 3 || ws[0] != Hq || ws[2] != T) {
+          ctx.fail(
+              ErrorKind::kShape, lg + "/attn_window",
+              "shape " + shape_text(ws) + ", expected [num_q_heads, W, T] with T = " + std::to_string(T));
+        }
+        if (ws[1] < 1 || ws[1] > T) {
+          ctx.fail(ErrorKind::kShape, lg + "/attn_window",
+                   "window W = " + std::to_string(ws[1]) + " must be between 1 and T = " + std::to_string(T));
+        }
       }
       ++layers_present;
     }
     for (int l = 0; l < g.num_layers; ++l) {
       const std::string dg = decode_layer_group_name(l);
-      if (!h5::exists(file, dg + "/v")) {
+      if (!exists(dg + "/v")) {
         if (!header.complete) break;
-        if (!h5::exists(file, dg)) ctx.fail(ErrorKind::kMissing, dg, "decode layer group is missing");
+        if (!exists(dg)) ctx.fail(ErrorKind::kMissing, dg, "decode layer group is missing");
       }
       expect_tensor(dg + "/q", Hq, S);
       expect_tensor(dg + "/k", Hkv, S);
@@ -207,6 +316,7 @@ struct TraceReader::Impl {
     Tensor t;
     t.dtype = header.dtype;
     t.shape.assign(count.begin(), count.end());
+    h5::check_tensor_read(ctx, file, path, t.dtype, t.numel());
     t.data.resize(t.numel() * kernels::dtype_bytes(t.dtype));
     if (t.numel()) h5::read_tensor_slab(ctx, file, path, t.dtype, start, count, t.data.data());
     if (options.check_finite) {
@@ -216,8 +326,9 @@ struct TraceReader::Impl {
         const std::size_t i = static_cast<std::size_t>(bad);
         const std::size_t per_head = count[1] * D;
         ctx.fail(ErrorKind::kValue, path,
-                 std::string(std::isnan(t.at(i)) ? "NaN" : "Inf") + " at [" + std::to_string(start[0] + i / per_head) +
-                     ", " + std::to_string(start[1] + (i % per_head) / D) + ", " + std::to_string(i % D) + "]");
+                 std::string(std::isnan(t.at(i)) ? "NaN" : "Inf") + " at [" +
+                     std::to_string(start[0] + i / per_head) + ", " +
+                     std::to_string(start[1] + (i % per_head) / D) + ", " + std::to_string(i % D) + "]");
       }
     }
     return t;
@@ -238,7 +349,8 @@ TraceReader::TraceReader(const std::string& path, ReaderOptions options) : impl_
   m.options = options;
   std::error_code ec;
   if (!std::filesystem::exists(path, ec)) m.ctx.fail(ErrorKind::kIo, "", "no such file");
-  if (std::filesystem::is_directory(path, ec)) m.ctx.fail(ErrorKind::kIo, "", "is a directory, not a trace file");
+  if (std::filesystem::is_directory(path, ec))
+    m.ctx.fail(ErrorKind::kIo, "", "is a directory, not a trace file");
   const htri_t is = H5Fis_hdf5(path.c_str());
   if (is <= 0) {
     h5::last_error_message();
@@ -268,8 +380,8 @@ TraceReader::TraceReader(const std::string& path, ReaderOptions options) : impl_
                "trace is incomplete (complete = 0): the capture that wrote it did not finish");
   }
   // A complete trace must have everything; an incomplete one is described as far as it goes.
-  if (m.header.complete || h5::exists(m.file, "/tokens/modality")) m.read_tokens();
-  if (m.header.complete || h5::exists(m.file, "/decode/tokens/token_id")) m.read_decode_tokens();
+  if (m.header.complete || m.exists("/tokens/modality")) m.read_tokens();
+  if (m.header.complete || m.exists("/decode/tokens/token_id")) m.read_decode_tokens();
   m.check_layers();
 }
 
@@ -305,7 +417,8 @@ Tensor TraceReader::read_head(int layer, TensorKind kind, int head) const {
   const auto& g = m.header.geometry;
   const int heads = kind == TensorKind::kQ ? g.num_q_heads : g.num_kv_heads;
   const std::string path = layer_group_name(layer) + "/" + tensor_kind_name(kind);
-  if (head < 0 || head >= heads) m.ctx.fail(ErrorKind::kUsage, path, "head " + std::to_string(head) + " out of range");
+  if (head < 0 || head >= heads)
+    m.ctx.fail(ErrorKind::kUsage, path, "head " + std::to_string(head) + " out of range");
   return m.read_slab(path, {static_cast<hsize_t>(head), 0, 0}, {1, m.T, static_cast<hsize_t>(g.head_dim)});
 }
 
@@ -326,20 +439,33 @@ std::optional<LayerAggregates> TraceReader::read_aggregates(int layer) const {
   const Impl& m = *impl_;
   m.require_layer(layer, false);
   const std::string lg = layer_group_name(layer);
-  const bool has_col = h5::exists(m.file, lg + "/attn_colsum"), has_win = h5::exists(m.file, lg + "/attn_window");
+  const bool has_col = m.exists(lg + "/attn_colsum"), has_win = m.exists(lg + "/attn_window");
   if (!has_col && !has_win) return std::nullopt;
   LayerAggregates a;
-  auto read_f32 = [&](const std::string& path, std::vector<float>& out) {
-    const auto shape = h5::dataset_shape(m.ctx, m.file, path);
-    std::size_t n = 1;
-    for (auto s : shape) n *= s;
-    out.resize(n);
-    Handle d = m.ctx.check_id(H5Dopen2(m.file, path.c_str(), H5P_DEFAULT), H5Dclose, path, "H5Dopen2");
-    if (n) m.ctx.check(H5Dread(d, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, out.data()), path, "H5Dread");
-    return shape;
+  const auto Hq = static_cast<hsize_t>(m.header.geometry.num_q_heads);
+  // Softmax probabilities are in [0, 1]; a column sum over at most T causal queries is in [0, T].
+  // The tolerance allows for float32 rounding of those sums.
+  auto check_values = [&](const std::string& path, const std::vector<float>& v, double max) {
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      if (!std::isfinite(v[i]) || v[i] < 0 || v[i] > max * (1 + 1e-3) + 1e-3) {
+        char buf[64];
+        std::snprintf(buf, sizeof buf, "%g", static_cast<double>(v[i]));
+        m.ctx.fail(ErrorKind::kValue, path,
+                   std::string("value ") + buf + " at element " + std::to_string(i) +
+                       " (must be finite and in [0, " + std::to_string(static_cast<long long>(max)) + "])");
+      }
+    }
   };
-  if (has_col) read_f32(lg + "/attn_colsum", a.attn_colsum);
-  if (has_win) a.window = static_cast<int>(read_f32(lg + "/attn_window", a.attn_window)[1]);
+  if (has_col) {
+    a.attn_colsum = h5::read_f32(m.ctx, m.file, lg + "/attn_colsum", {Hq, m.T});
+    check_values(lg + "/attn_colsum", a.attn_colsum, static_cast<double>(m.T));
+  }
+  if (has_win) {
+    const auto ws = h5::dataset_shape(m.ctx, m.file, lg + "/attn_window");
+    a.attn_window = h5::read_f32(m.ctx, m.file, lg + "/attn_window", ws);
+    a.window = static_cast<int>(ws[1]);
+    check_values(lg + "/attn_window", a.attn_window, 1.0);
+  }
   return a;
 }
 
@@ -347,23 +473,62 @@ Profile TraceReader::read_profile() const {
   const Impl& m = *impl_;
   const h5::Ctx& c = m.ctx;
   Profile p;
-  // Members are matched by name, so files with fewer members or another order still read.
-  auto read_compound = [&](const char* path, hid_t mtype, auto& rows) {
-    if (!h5::exists(m.file, path)) return;
+  // Members are matched by name, so files with fewer members or another order still read. Their
+  // strings are allocated through a budget and checked against their stored lengths.
+  auto read_compound = [&](const char* path, hid_t mtype, auto& rows, std::size_t record_bytes,
+                           const auto& strings_of) {
+    if (!m.exists(path)) return;
     const auto shape = h5::dataset_shape(c, m.file, path);
     if (shape.size() != 1) c.fail(ErrorKind::kShape, path, "must be 1-D");
-    rows.resize(shape[0]);
-    if (rows.empty()) return;
+    if (shape[0] > limits::kMaxProfileRows) {
+      c.fail(ErrorKind::kValue, path,
+             std::to_string(shape[0]) + " rows, more than the limit of " +
+                 std::to_string(limits::kMaxProfileRows));
+    }
+    if (shape[0] == 0) return;
     Handle d = c.check_id(H5Dopen2(m.file, path, H5P_DEFAULT), H5Dclose, path, "H5Dopen2");
     Handle ft = c.check_id(H5Dget_type(d), H5Tclose, path, "H5Dget_type");
     if (H5Tget_class(ft) != H5T_COMPOUND) c.fail(ErrorKind::kDType, path, "must be a compound dataset");
+    h5::check_alloc(c, path, shape[0], sizeof(rows[0]) + record_bytes);
+    h5::check_storage(c, d, path, shape[0] * H5Tget_size(ft));
+    rows.resize(shape[0]);
     std::memset(static_cast<void*>(rows.data()), 0, rows.size() * sizeof(rows[0]));
-    c.check(H5Dread(d, mtype, H5S_ALL, H5S_ALL, H5P_DEFAULT, rows.data()), path, "H5Dread");
+    h5::VlenBudget budget(c, path, limits::kMaxStringBytes);
+    const herr_t st = H5Dread(d, mtype, H5S_ALL, H5S_ALL, budget.dxpl(), rows.data());
+    auto reclaim = [&] {
+      for (auto& r : rows) {
+        for (char** s : strings_of(r)) {
+          h5::VlenBudget::free_string(*s);
+          *s = nullptr;
+        }
+      }
+    };
+    if (st < 0) {
+      reclaim();
+      rows.clear();
+      if (budget.exhausted()) {
+        h5::last_error_message();
+        c.fail(
+            ErrorKind::kValue, path,
+            "strings of more than " + std::to_string(limits::kMaxStringBytes) + " bytes in all (the limit)");
+      }
+      c.check(st, path, "H5Dread");
+    }
+    try {
+      for (std::size_t i = 0; i < rows.size(); ++i) {
+        for (char** s : strings_of(rows[i])) budget.check_string(*s, path, i);
+      }
+    } catch (...) {
+      reclaim();
+      throw;
+    }
   };
   Handle kt = h5::kernel_row_type(c);
   std::vector<h5::KernelRow> krows;
-  read_compound("/profile/kernels", kt, krows);
-  for (const auto& r : krows) {
+  auto kernel_strings = [](h5::KernelRow& r) { return std::array<char**, 2>{&r.name, &r.kind}; };
+  read_compound("/profile/kernels", kt, krows, sizeof(KernelRecord), kernel_strings);
+  p.kernels.reserve(krows.size());
+  for (auto& r : krows) {
     KernelRecord k;
     k.name = r.name ? r.name : "";
     k.kind = r.kind ? r.kind : "";
@@ -377,15 +542,17 @@ Profile TraceReader::read_profile() const {
       k.block[i] = r.block[i];
     }
     p.kernels.push_back(std::move(k));
-    H5free_memory(r.name);
-    H5free_memory(r.kind);
+    h5::VlenBudget::free_string(r.name);
+    h5::VlenBudget::free_string(r.kind);
   }
   Handle rt = h5::range_row_type(c);
   std::vector<h5::RangeRow> rrows;
-  read_compound("/profile/ranges", rt, rrows);
-  for (const auto& r : rrows) {
+  auto range_strings = [](h5::RangeRow& r) { return std::array<char**, 1>{&r.name}; };
+  read_compound("/profile/ranges", rt, rrows, sizeof(RangeRecord), range_strings);
+  p.ranges.reserve(rrows.size());
+  for (auto& r : rrows) {
     p.ranges.push_back(RangeRecord{r.name ? r.name : "", r.start_ns, r.end_ns, r.depth, r.thread});
-    H5free_memory(r.name);
+    h5::VlenBudget::free_string(r.name);
   }
   return p;
 }
