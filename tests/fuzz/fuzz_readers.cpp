@@ -13,8 +13,24 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <string>
+
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define KVSCOPE_FUZZ_HAVE_SANITIZER 1
+#endif
+#endif
+#if !defined(KVSCOPE_FUZZ_HAVE_SANITIZER) && defined(__SANITIZE_ADDRESS__)
+#define KVSCOPE_FUZZ_HAVE_SANITIZER 1
+#endif
+#ifndef KVSCOPE_FUZZ_HAVE_SANITIZER
+#define KVSCOPE_FUZZ_HAVE_SANITIZER 0
+#endif
+#if KVSCOPE_FUZZ_HAVE_SANITIZER
+#include <sanitizer/common_interface_defs.h>
+#endif
 
 #include "kvscope/sim/info.hpp"
 #include "kvscope/sim/results_reader.hpp"
@@ -33,14 +49,23 @@ enum class FileUse { kTrace, kResults };
 // pre-check (a metadata pass in a child process with time and memory limits) once the tools do.
 bool guard_untrusted_file(const std::string& /*path*/, FileUse /*use*/) { return true; }
 
-// Where the input is written: memory-backed when /dev/shm exists, one file per process.
+// Where the input is written, one file per process: $KVSCOPE_FUZZ_SCRATCH (a folder the caller
+// removes: scripts/fuzz and mutate.py set it, since a crashing run cannot clean up), else /dev/shm
+// (memory-backed) or /tmp.
 const std::string& scratch_path() {
   static const std::string path = [] {
-    const char* dir = access("/dev/shm", W_OK) == 0 ? "/dev/shm" : "/tmp";
-    return std::string(dir) + "/kvscope_fuzz_" + std::to_string(getpid()) + ".h5";
+    const char* env = std::getenv("KVSCOPE_FUZZ_SCRATCH");
+    const std::string dir = env && *env ? env : access("/dev/shm", W_OK) == 0 ? "/dev/shm" : "/tmp";
+    return dir + "/kvscope_fuzz_" + std::to_string(getpid()) + ".h5";
   }();
   return path;
 }
+
+#if KVSCOPE_FUZZ_HAVE_SANITIZER
+// A sanitizer report ends the process: remove the scratch file first.
+void remove_scratch() { std::remove(scratch_path().c_str()); }
+[[maybe_unused]] const bool death_callback_set = (__sanitizer_set_death_callback(remove_scratch), true);
+#endif
 
 bool write_file(const std::string& path, const std::uint8_t* data, std::size_t size) {
   std::FILE* f = std::fopen(path.c_str(), "wb");

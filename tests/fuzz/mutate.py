@@ -672,6 +672,7 @@ def main():
     os.makedirs(args.crash_dir, exist_ok=True)
     work = args.work_dir or tempfile.mkdtemp(prefix="kvscope_fuzz_")
     os.makedirs(work, exist_ok=True)
+    env["KVSCOPE_FUZZ_SCRATCH"] = work  # fuzz_replay's copy of its input: removed with the work folder
 
     lock = threading.Lock()
     stats = {c: {"cases": 0, "skipped": 0, "runs": 0, "failures": 0} for c in cats + ["replay"]}
