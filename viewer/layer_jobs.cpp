@@ -161,7 +161,9 @@ std::shared_ptr<const LayerOutcome> LayerJobs::get(const LayerRequest& request) 
 
 void LayerJobs::poll() {
   if (running_.valid() && running_.wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
-    cache_[running_key_] = std::make_shared<const LayerOutcome>(running_.get());
+    auto outcome = std::make_shared<const LayerOutcome>(running_.get());
+    if (first_error_.empty()) first_error_ = outcome->error;
+    cache_[running_key_] = std::move(outcome);
     order_.push_back(running_key_);
     while (order_.size() > kCacheSize) {
       cache_.erase(order_.front());

@@ -49,6 +49,8 @@ class LayerJobs {
   std::shared_ptr<const LayerOutcome> get(const LayerRequest& request);
   void poll();
   bool busy() const { return running_.valid() || queued_.has_value(); }
+  // The error of the first finished job that failed ("" if none): a layer that cannot be read.
+  const std::string& first_error() const { return first_error_; }
 
   // Computes one layer synchronously (what the worker runs).
   static LayerOutcome compute(const Model& model, const LayerRequest& request);
@@ -62,6 +64,7 @@ class LayerJobs {
   std::optional<LayerRequest> queued_;
   std::map<std::string, std::shared_ptr<const LayerOutcome>> cache_;
   std::deque<std::string> order_;  // cache keys, oldest first
+  std::string first_error_;
 };
 
 }  // namespace kvscope::viewer

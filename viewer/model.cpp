@@ -6,6 +6,7 @@
 
 #include "kvscope/sim/policy.hpp"
 #include "kvscope/sim/results_reader.hpp"
+#include "kvscope/trace/untrusted.hpp"
 
 namespace kvscope::viewer {
 
@@ -46,6 +47,9 @@ void Model::run(std::string trace_path, std::string results_path) {
     if (!trace_path.empty()) {
       set_status(0.05f, "opening " + trace_path);
       std::lock_guard<std::mutex> lock(hdf5_mutex());
+      // Untrusted: parsed first in an isolated child (under the lock: no HDF5 call is under way
+      // in another thread when it forks).
+      trace::check_trace_file(trace_path);
       reader_ = std::make_unique<trace::TraceReader>(trace_path);
       set_status(0.25f, "summarising the trace");
       summary_ = sim::summarize(*reader_);
@@ -58,6 +62,7 @@ void Model::run(std::string trace_path, std::string results_path) {
     if (!results_path.empty()) {
       set_status(0.6f, "reading results " + results_path);
       std::lock_guard<std::mutex> lock(hdf5_mutex());
+      sim::check_results_file(results_path);
       points_ = sim::read_results_hdf5(results_path, &meta_);
       results_path_ = results_path;
       for (const sim::PointResult& p : points_) {

@@ -67,6 +67,9 @@ class View {
   // kv head (-1: keep the default). selection_error() says what could not be applied.
   void preselect(std::string point, int layer, int kv_head);
   const std::string& selection_error() const { return selection_error_; }
+  // The first error of a layer recomputation the shown view asked for (e.g. the layer's tensors
+  // cannot be read: NaN, a missing external file), "" if none.
+  const std::string& layer_error() const { return jobs_.first_error(); }
 
  private:
   void draw_selection_bar();

@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "kvscope/trace/reader.hpp"
+#include "kvscope/trace/untrusted.hpp"
 
 namespace kvscope::cli {
 
@@ -113,6 +114,7 @@ std::string chrome_trace_json(const trace::Profile& profile) {
 ChromeExportSummary export_chrome_trace(const std::string& trace_path, const std::string& json_path) {
   trace::ReaderOptions options;
   options.require_complete = false;  // a crashed capture has no /profile: reported below
+  trace::check_trace_file(trace_path);  // untrusted: parsed first in an isolated child
   const trace::TraceReader reader(trace_path, options);
   const trace::Profile profile = reader.read_profile();
   if (profile.ranges.empty() && profile.kernels.empty()) {
@@ -149,7 +151,8 @@ int export_chrome_command(const std::vector<std::string>& args) {
       "Exit 0 on success, 2 on a missing or invalid trace, a trace without /profile records, or an\n"
       "unwritable output.\n\nOptions");
   opts.add_options()("help,h", "show this help")("file", po::value<std::string>(), "trace file (.h5)")(
-      "output,o", po::value<std::string>(), "output JSON file (required)");
+      "output,o", po::value<std::string>(), "output JSON file (required)")("trusted-files",
+                                                                          trace::kTrustedFilesHelp);
   po::positional_options_description pos;
   pos.add("file", 1);
   po::variables_map vm;
@@ -167,6 +170,7 @@ int export_chrome_command(const std::vector<std::string>& args) {
     std::cout << opts << "\nExample:\n  kvcap export-chrome capture.h5 -o capture.json\n";
     return 0;
   }
+  if (vm.count("trusted-files")) trace::set_trusted_files(true);
   if (!vm.count("file")) return fail("missing FILE (see kvcap export-chrome --help)");
   if (!vm.count("output")) return fail("missing -o/--output FILE (see kvcap export-chrome --help)");
   const std::string out = vm["output"].as<std::string>();

@@ -9,6 +9,7 @@
 #include "kvscope/closedloop/eval_command.hpp"
 #include "kvscope/cli/progress.hpp"
 #include "kvscope/synth/synth.hpp"
+#include "kvscope/trace/untrusted.hpp"
 #include "kvscope/trace/validate.hpp"
 #include "run_command.hpp"
 
@@ -30,7 +31,10 @@ void print_usage(std::ostream& os) {
         "  run        run the reference model (tiny VLM) on images + a question and capture a trace\n"
         "  eval       closed-loop evaluation: accuracy, KL and bytes of policies on held-out samples\n\n"
         "Run 'kvcap <command> --help' for the options of a command.\n"
-        "Trace format: docs/trace-format.md. Synthetic structure: docs/synthetic-traces.md.\n";
+        "Trace format: docs/trace-format.md. Synthetic structure: docs/synthetic-traces.md.\n"
+        "Input traces are parsed first in an isolated child process (10 s per object, 1 GiB), so a\n"
+        "corrupt file gives one line and exit 2; --trusted-files (validate, export-chrome) or\n"
+        "KVSCOPE_TRUSTED_FILES=1 skips that pre-check (docs/robustness.md).\n";
 }
 
 int fail(const std::string& cmd, const std::string& msg) {
@@ -119,9 +123,11 @@ int cmd_validate(const std::vector<std::string>& args) {
       "Checks a trace against trace format v1: root attributes and version, /tokens, every layer's\n"
       "q/k/v shapes and dtypes, /decode, /profile, and every tensor element for NaN/Inf (read one\n"
       "head at a time). Prints one line. Exit 0 if valid and complete, 2 otherwise (an incomplete\n"
-      "trace, whose writer never finished, is reported with what it contains).\n\nOptions");
+      "trace, whose writer never finished, is reported with what it contains). The whole check runs\n"
+      "in an isolated child process: a file that crashes or hangs the HDF5 library, or needs more\n"
+      "than 1 GiB, is reported as corrupt (docs/robustness.md).\n\nOptions");
   opts.add_options()("help,h", "show this help")("file", po::value<std::string>(), "trace file")(
-      "quiet,q", "no progress bar");
+      "quiet,q", "no progress bar")("trusted-files", trace::kTrustedFilesHelp);
   po::positional_options_description pos;
   pos.add("file", 1);
   po::variables_map vm;
@@ -136,10 +142,11 @@ int cmd_validate(const std::vector<std::string>& args) {
     return fail("validate", std::string(e.what()) + " (see kvcap validate --help)");
   }
   if (!vm.count("file")) return fail("validate", "missing FILE (see kvcap validate --help)");
+  if (vm.count("trusted-files")) trace::set_trusted_files(true);
   const std::string file = vm["file"].as<std::string>();
   cli::ProgressBar bar("kvcap validate", 1, !vm.count("quiet"));
   bool started = false;
-  const auto report = trace::validate_trace(file, [&](std::size_t done, std::size_t total) {
+  const auto report = trace::validate_trace_isolated(file, [&](std::size_t done, std::size_t total) {
     if (!started) {
       bar = cli::ProgressBar("kvcap validate", total, !vm.count("quiet"));
       started = true;

@@ -10,6 +10,8 @@
 #include <string>
 #include <system_error>
 
+#include "kvscope/trace/untrusted.hpp"
+
 namespace kvscope::sim {
 
 namespace {
@@ -54,11 +56,13 @@ class Reader {
   Reader(std::string path, hid_t file) : path_(std::move(path)), file_(file) {}
 
   [[noreturn]] void fail(const std::string& object, const std::string& message) const {
+    trace::note_failure(trace::ErrorKind::kCorrupt, path_, object, message);  // survives a crash in the cleanup
     throw ResultsReadError(path_, object, message);
   }
 
   std::string attr_string(const char* name) const {
     const std::string object = std::string("/@") + name;
+    trace::note_object_being_read(object);
     if (H5Aexists(file_, name) <= 0) fail(object, "missing attribute");
     Handle a(H5Aopen(file_, name, H5P_DEFAULT), H5Aclose);
     Handle ftype(H5Aget_type(a), H5Tclose);
@@ -81,6 +85,7 @@ class Reader {
 
   std::vector<std::int64_t> attr_i64(const char* name, bool optional = false) const {
     const std::string object = std::string("/@") + name;
+    trace::note_object_being_read(object);
     if (H5Aexists(file_, name) <= 0) {
       if (optional) return {};
       fail(object, "missing attribute");
@@ -136,6 +141,7 @@ class Reader {
 
  private:
   Handle open(const std::string& object, const std::vector<hsize_t>& dims) const {
+    trace::note_object_being_read(object);
     if (H5Lexists(file_, object.substr(0, object.rfind('/')).c_str(), H5P_DEFAULT) <= 0 ||
         H5Lexists(file_, object.c_str(), H5P_DEFAULT) <= 0) {
       fail(object, "missing dataset");
@@ -347,8 +353,12 @@ std::vector<PointResult> read_contents(const Reader& r, ResultsMeta* meta) {
 }  // namespace
 
 std::vector<PointResult> read_results_hdf5(const std::string& path, ResultsMeta* meta) {
-  static std::once_flag silence;
-  std::call_once(silence, [] { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); });
+  // Per thread: Debian's thread-safe libhdf5 keeps one error stack (and its printing) per thread.
+  thread_local bool silenced = false;
+  if (!silenced) {
+    H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+    silenced = true;
+  }
   std::error_code ec;
   if (!std::filesystem::is_regular_file(path, ec))
     throw ResultsReadError(path, "", "cannot open: no such file");
@@ -356,6 +366,32 @@ std::vector<PointResult> read_results_hdf5(const std::string& path, ResultsMeta*
   if (file < 0) throw ResultsReadError(path, "", "cannot open: unreadable or not an HDF5 file");
   const Reader r(path, file);
   return read_contents(r, meta);
+}
+
+namespace {
+// The message of an error without its "file: object: " prefix.
+std::string bare_message(const std::runtime_error& e, const std::string& file, const std::string& object) {
+  std::string m = e.what();
+  const std::string prefix = object.empty() ? file + ": " : file + ": " + object + ": ";
+  if (m.compare(0, prefix.size(), prefix) == 0) m.erase(0, prefix.size());
+  return m;
+}
+}  // namespace
+
+void check_results_file(const std::string& path) {
+  try {
+    trace::require_regular_file(path);
+    if (trace::trusted_files()) return;
+    trace::run_isolated(path, [&path] {
+      try {
+        (void)read_results_hdf5(path);
+      } catch (const ResultsReadError& e) {
+        throw trace::TraceError(trace::ErrorKind::kCorrupt, e.file(), e.object(), bare_message(e, e.file(), e.object()));
+      }
+    });
+  } catch (const trace::TraceError& e) {
+    throw ResultsReadError(e.file(), e.object(), bare_message(e, e.file(), e.object()));
+  }
 }
 
 }  // namespace kvscope::sim

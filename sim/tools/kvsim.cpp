@@ -9,6 +9,7 @@
 #include "plan_command.hpp"
 #include "sweep_command.hpp"
 #include "kvscope/sim/report.hpp"
+#include "kvscope/trace/untrusted.hpp"
 
 namespace po = boost::program_options;
 using namespace kvscope;
@@ -26,7 +27,10 @@ void print_usage(std::ostream& os) {
         "  run        replay a trace through one policy: memory and quality per layer, head and modality\n"
         "  sweep      replay a trace through many policies x budgets: table, Pareto front, collapse flags\n"
         "  plan       capacity planner: KV bytes per token/request, concurrent requests and context that fit\n\n"
-        "Run 'kvsim <command> --help' for the options of a command.\n";
+        "Run 'kvsim <command> --help' for the options of a command.\n"
+        "Input traces are parsed first in an isolated child process (10 s per object, 1 GiB), so a\n"
+        "corrupt file gives one line and exit 2; --trusted-files (info, run, sweep, plan) or\n"
+        "KVSCOPE_TRUSTED_FILES=1 skips that pre-check (docs/robustness.md).\n";
 }
 
 int cmd_info(const std::vector<std::string>& args) {
@@ -35,7 +39,8 @@ int cmd_info(const std::vector<std::string>& args) {
       "Prints the model geometry, whether the trace is synthetic, tokens per modality and per\n"
       "segment (images with their patch grid), and the exact full KV-cache bytes per layer and per\n"
       "modality. Reads only metadata and /tokens (fast on large traces). Exit 2 on a bad file.\n\nOptions");
-  opts.add_options()("help,h", "show this help")("file", po::value<std::string>(), "trace file");
+  opts.add_options()("help,h", "show this help")("file", po::value<std::string>(), "trace file")(
+      "trusted-files", trace::kTrustedFilesHelp);
   po::positional_options_description pos;
   pos.add("file", 1);
   po::variables_map vm;
@@ -54,7 +59,9 @@ int cmd_info(const std::vector<std::string>& args) {
     std::cerr << "kvsim info: missing FILE (see kvsim info --help)\n";
     return kExitError;
   }
+  if (vm.count("trusted-files")) trace::set_trusted_files(true);
   try {
+    trace::check_trace_file(vm["file"].as<std::string>());
     trace::TraceReader reader(vm["file"].as<std::string>());
     std::cout << sim::format_summary(sim::summarize(reader));
   } catch (const trace::TraceError& e) {

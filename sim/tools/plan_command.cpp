@@ -14,6 +14,7 @@
 #include "kvscope/sim/sweep.hpp"
 #include "kvscope/synth/synth.hpp"
 #include "kvscope/trace/error.hpp"
+#include "kvscope/trace/untrusted.hpp"
 
 namespace po = boost::program_options;
 
@@ -74,7 +75,8 @@ po::options_description plan_options() {
   po::options_description output("Output");
   output.add_options()("csv", po::value<std::string>(),
                        "write one row per setting (full, compressed) to FILE")(
-      "json", po::value<std::string>(), "write the plan as JSON to FILE")("help,h", "show this help");
+      "json", po::value<std::string>(), "write the plan as JSON to FILE")("trusted-files", trace::kTrustedFilesHelp)(
+      "help,h", "show this help");
   all.add(model).add(memory).add(request).add(compression).add(output);
   return all;
 }
@@ -241,6 +243,8 @@ int run_plan_command(const std::vector<std::string>& args) {
   sim::PlanResult result;
   try {
     std::vector<std::string> notes;  // what the trace implied (shape source, uneven images)
+    if (vm.count("trusted-files")) trace::set_trusted_files(true);
+    if (vm.count("trace")) trace::check_trace_file(vm["trace"].as<std::string>());  // untrusted: isolated pre-check
     const sim::PlanInput input = input_from_options(vm, notes);
     result = sim::plan(input);
     result.notes.insert(result.notes.begin(), notes.begin(), notes.end());

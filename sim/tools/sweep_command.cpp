@@ -14,6 +14,7 @@
 #include "kvscope/sim/pareto.hpp"
 #include "kvscope/sim/report.hpp"
 #include "kvscope/sim/sweep.hpp"
+#include "kvscope/trace/untrusted.hpp"
 
 namespace po = boost::program_options;
 
@@ -92,7 +93,7 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
       "explain", "print the evidence and suggested fix of every collapse flag (default: Pareto points only)")(
       "blind-recall", po::value<double>()->default_value(0.5, "0.5"), "visual blindness: vision recall threshold")(
       "kl-threshold", po::value<double>()->default_value(0.1, "0.1"), "over-compression: KL threshold in the last layers")(
-      "quiet,q", "no progress bar");
+      "quiet,q", "no progress bar")("trusted-files", trace::kTrustedFilesHelp);
   po::variables_map vm;
   const std::string name = "kvsim " + command;
   try {
@@ -112,6 +113,14 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
   }
   if (!sweep && !vm.count("policy")) {
     std::cerr << name << ": missing --policy NAME[@BUDGET] (see " << name << " --help)\n";
+    return 2;
+  }
+  // Untrusted input: parsed first in an isolated child, before any thread or device is started.
+  if (vm.count("trusted-files")) trace::set_trusted_files(true);
+  try {
+    trace::check_trace_file(vm["trace"].as<std::string>());
+  } catch (const trace::TraceError& e) {
+    std::cerr << name << ": " << e.what() << "\n";
     return 2;
   }
   const int threads = vm["threads"].as<int>();

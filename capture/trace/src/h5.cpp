@@ -14,9 +14,24 @@
 namespace kvscope::trace::h5 {
 
 void silence_errors() {
-  static std::once_flag once;
-  std::call_once(once, [] { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); });
+  // Debian's libhdf5 is built thread-safe: each thread has its own error stack and its own
+  // automatic printing, so every thread that calls HDF5 silences it once (kvview reads layers on
+  // worker threads).
+  thread_local bool silenced = false;
+  if (!silenced) {
+    H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+    silenced = true;
+  }
 }
+
+namespace {
+// Start of every read helper: HDF5 silent on this thread, and the object recorded for the
+// isolated pre-check's messages.
+void begin_read(const std::string& object) {
+  silence_errors();
+  note_object_being_read(object);
+}
+}  // namespace
 
 namespace {
 herr_t walk_cb(unsigned n, const H5E_error2_t* e, void* data) {
@@ -52,6 +67,7 @@ Handle Ctx::check_id(hid_t id, Handle::Closer closer, const std::string& object,
 }
 
 bool exists(hid_t loc, const std::string& path) {
+  begin_read(path);
   // H5Lexists needs every intermediate component to exist: walk them.
   std::size_t pos = 0;
   while (true) {
@@ -69,6 +85,7 @@ bool exists(hid_t loc, const std::string& path) {
 }
 
 bool exists(const Ctx& c, hid_t loc, const std::string& path) {
+  begin_read(path);
   std::size_t pos = 0;
   while (true) {
     std::size_t next = path.find('/', pos + 1);
@@ -141,6 +158,7 @@ void write_attr_u8(const Ctx& c, hid_t obj, const std::string& name, std::uint8_
 }
 
 std::string read_attr_string(const Ctx& c, hid_t obj, const std::string& objpath, const std::string& name) {
+  begin_read(objpath + "@" + name);
   Handle a = open_attr(c, obj, objpath, name);
   const std::string where = objpath + "@" + name;
   Handle ftype = c.check_id(H5Aget_type(a), H5Tclose, where, "H5Aget_type");
@@ -192,6 +210,7 @@ struct AttrNumber {
 };
 
 AttrNumber read_attr_number(const Ctx& c, hid_t obj, const std::string& objpath, const std::string& name) {
+  begin_read(objpath + "@" + name);
   Handle a = open_attr(c, obj, objpath, name);
   const std::string where = objpath + "@" + name;
   Handle ftype = c.check_id(H5Aget_type(a), H5Tclose, where, "H5Aget_type");
@@ -267,6 +286,7 @@ bool read_attr_bool(const Ctx& c, hid_t obj, const std::string& objpath, const s
 }
 
 std::vector<hsize_t> dataset_shape(const Ctx& c, hid_t file, const std::string& path) {
+  begin_read(path);
   if (!exists(file, path)) c.fail(ErrorKind::kMissing, path, "dataset is missing");
   Handle d = c.check_id(H5Dopen2(file, path.c_str(), H5P_DEFAULT), H5Dclose, path, "H5Dopen2");
   Handle s = c.check_id(H5Dget_space(d), H5Sclose, path, "H5Dget_space");
@@ -354,6 +374,7 @@ void check_ieee_float(const Ctx& c, const std::string& path, hid_t t, std::size_
 }  // namespace
 
 DType tensor_dtype(const Ctx& c, hid_t file, const std::string& path) {
+  begin_read(path);
   if (!exists(c, file, path)) c.fail(ErrorKind::kMissing, path, "dataset is missing");
   Handle d = c.check_id(H5Dopen2(file, path.c_str(), H5P_DEFAULT), H5Dclose, path, "H5Dopen2");
   Handle t = c.check_id(H5Dget_type(d), H5Tclose, path, "H5Dget_type");
@@ -510,6 +531,7 @@ std::vector<float> read_f32(const Ctx& c, hid_t file, const std::string& path,
 
 void read_tensor_slab(const Ctx& c, hid_t file, const std::string& path, DType dtype,
                       const std::vector<hsize_t>& start, const std::vector<hsize_t>& count, void* out) {
+  begin_read(path);
   Handle d = c.check_id(H5Dopen2(file, path.c_str(), H5P_DEFAULT), H5Dclose, path, "H5Dopen2");
   Handle fs = c.check_id(H5Dget_space(d), H5Sclose, path, "H5Dget_space");
   c.check(H5Sselect_hyperslab(fs, H5S_SELECT_SET, start.data(), nullptr, count.data(), nullptr), path,

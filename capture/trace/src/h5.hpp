@@ -11,6 +11,7 @@
 
 #include "kvscope/trace/error.hpp"
 #include "kvscope/trace/schema.hpp"
+#include "kvscope/trace/untrusted.hpp"
 
 namespace kvscope::trace::h5 {
 
@@ -55,6 +56,7 @@ class Handle {
 struct Ctx {
   std::string file;
   [[noreturn]] void fail(ErrorKind k, const std::string& object, const std::string& msg) const {
+    note_failure(k, file, object, msg);  // survives a crash in the cleanup (isolated pre-check)
     throw TraceError(k, file, object, msg);
   }
   // Throws kCorrupt with HDF5's own message when `status` < 0.

@@ -34,4 +34,10 @@ class ResultsReadError : public std::runtime_error {
 // Thread-compatible: HDF5 is not thread-safe, so callers serialise it with any other HDF5 use.
 std::vector<PointResult> read_results_hdf5(const std::string& path, ResultsMeta* meta = nullptr);
 
+// The pre-check of an untrusted results file (docs/robustness.md): refuses a non-regular file, then
+// (unless trace::trusted_files()) runs read_results_hdf5 in an isolated child with
+// trace::run_isolated's limits, so a crash, hang or memory blow-up inside HDF5 becomes a
+// ResultsReadError naming the file and the object. Call before read_results_hdf5.
+void check_results_file(const std::string& path);
+
 }  // namespace kvscope::sim
