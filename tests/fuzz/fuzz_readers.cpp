@@ -2,9 +2,11 @@
 // the validator and the results reader, fed with HDF5 file images.
 //
 // Each input is written to a temporary file and goes through exactly what the tools do with an
-// untrusted file: first the guard (guard_untrusted_file below), then, when the guard accepts it,
+// untrusted file: kvcap validate's isolated validation, then the guards (the isolated pre-checks
+// of kvscope/trace/untrusted.hpp and sim::check_results_file), then, for a file a guard accepts,
 // the in-process readers. A crash, sanitizer report, leak or out-of-memory that libFuzzer reports
-// is therefore one of our own process, the process a user runs.
+// is therefore one of our own process, the process a user runs; what the child processes hit is
+// the clean refusal the guards turn it into.
 //
 // Built with -DKVSCOPE_FUZZ=ON and clang (fuzz_readers, ASan + UBSan + libFuzzer); the same source
 // with a plain main() is fuzz_replay in every build (runs files through the same steps, for tests).
@@ -35,6 +37,7 @@
 #include "kvscope/sim/info.hpp"
 #include "kvscope/sim/results_reader.hpp"
 #include "kvscope/trace/reader.hpp"
+#include "kvscope/trace/untrusted.hpp"
 #include "kvscope/trace/validate.hpp"
 
 namespace {
@@ -42,12 +45,32 @@ namespace {
 namespace trace = kvscope::trace;
 namespace sim = kvscope::sim;
 
-enum class FileUse { kTrace, kResults };
+// What kvcap validate does: the whole validation in an isolated child (a crash, hang or memory
+// blow-up there is a report, not a signal of ours).
+void validate_like_kvcap(const std::string& path) { (void)trace::validate_trace_isolated(path); }
 
-// The check the tools run on a file before any in-process reader touches it. The tools of this
-// tree open files directly, so this accepts every file; it is the one place to call the isolated
-// pre-check (a metadata pass in a child process with time and memory limits) once the tools do.
-bool guard_untrusted_file(const std::string& /*path*/, FileUse /*use*/) { return true; }
+// What kvsim info/run/sweep and kvview do before reading a trace in their own process: refuse a
+// non-regular file, then the isolated metadata pass (trace::check_trace_file). False when refused.
+bool guard_trace_file(const std::string& path) {
+  try {
+    trace::check_trace_file(path);
+    return true;
+  } catch (const trace::TraceError&) {
+    return false;
+  }
+}
+
+// What kvview does before reading a results file in its own process (sim::check_results_file).
+bool guard_results_file(const std::string& path) {
+  try {
+    sim::check_results_file(path);
+    return true;
+  } catch (const sim::ResultsReadError&) {
+    return false;
+  } catch (const trace::TraceError&) {
+    return false;
+  }
+}
 
 // Where the input is written, one file per process: $KVSCOPE_FUZZ_SCRATCH (a folder the caller
 // removes: scripts/fuzz and mutate.py set it, since a crashing run cannot clean up), else /dev/shm
@@ -74,9 +97,9 @@ bool write_file(const std::string& path, const std::uint8_t* data, std::size_t s
   return std::fclose(f) == 0 && ok;
 }
 
-// What kvcap validate, kvsim info and kvsim run read of a trace (kvsim run then reads layers).
+// What kvsim info and kvsim run read of a trace in their own process once the guard passed it:
+// the metadata and summary, then the tensors (every slice, as validate_trace reads them).
 void exercise_trace(const std::string& path) {
-  (void)trace::validate_trace(path);
   try {
     trace::TraceReader reader(path);
     (void)sim::format_summary(sim::summarize(reader));
@@ -88,6 +111,7 @@ void exercise_trace(const std::string& path) {
   } catch (const trace::TraceError&) {
     // a clean refusal: what the tools print as their one line
   }
+  (void)trace::validate_trace(path);  // in process: every q/k/v slice, decode layer and aggregate
 }
 
 // What kvview reads of a results file.
@@ -105,8 +129,9 @@ void exercise_results(const std::string& path) {
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   const std::string& path = scratch_path();
   if (!write_file(path, data, size)) return 0;
-  if (guard_untrusted_file(path, FileUse::kTrace)) exercise_trace(path);
-  if (guard_untrusted_file(path, FileUse::kResults)) exercise_results(path);
+  validate_like_kvcap(path);
+  if (guard_trace_file(path)) exercise_trace(path);
+  if (guard_results_file(path)) exercise_results(path);
   std::remove(path.c_str());
   return 0;
 }
