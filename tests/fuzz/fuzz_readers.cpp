@@ -85,8 +85,13 @@ const std::string& scratch_path() {
 }
 
 #if KVSCOPE_FUZZ_HAVE_SANITIZER
-// A sanitizer report ends the process: remove the scratch file first.
-void remove_scratch() { std::remove(scratch_path().c_str()); }
+// A sanitizer report ends the process: remove the scratch file first, unless this is an isolated
+// child of the guards (its parent still reads the file). Under libFuzzer, whose own callback
+// replaces this one, scripts/fuzz removes the scratch folder instead.
+const pid_t main_pid = getpid();
+void remove_scratch() {
+  if (getpid() == main_pid) std::remove(scratch_path().c_str());
+}
 [[maybe_unused]] const bool death_callback_set = (__sanitizer_set_death_callback(remove_scratch), true);
 #endif
 
