@@ -632,9 +632,11 @@ def main():
                     help="run the tools on this file as is (no mutation; repeat); for regression checks")
     ap.add_argument("--expect-reject", action="store_true",
                     help="with --replay: the file is invalid by the format, kvcap validate must refuse it")
+    ap.add_argument("--trusted", action="store_true",
+                    help="with --harness: also run it with KVSCOPE_TRUSTED_FILES=1 (the readers without the guard)")
     ap.add_argument("--harness", default=None,
                     help="with --replay: also run this fuzz_replay binary (the libFuzzer target's steps in one "
-                         "process) on the file; it must exit 0")
+                         "process, three tools' work: 3x the time limit) on the file; it must exit 0")
     args = ap.parse_args()
     BIN = os.path.abspath(args.bin)
     seconds = args.seconds if args.seconds is not None else (float("inf") if args.cases else 60.0)
@@ -766,13 +768,18 @@ def main():
             for view in (RESULTS_VIEWS if kind == "results" else ["overview"]):
                 run_case(-1, "replay", kind, "replay " + r, path, view_ok, view, args.expect_reject)
             if args.harness:
-                cmd = [os.path.abspath(args.harness), path]
-                rc, stderr, secs, rss, to = run_tool(cmd, args.timeout, mem, env)
-                kind_h = judge(rc, stderr, to, path)
-                if kind_h is None and rc != 0:
-                    kind_h = f"exit{rc}"
-                with open(path, "rb") as fh:
-                    record(-1, "replay", "replay " + r, fh.read(), "harness", cmd, rc, stderr, secs, rss, kind_h)
+                # the guards and readers as the tools run them; with --trusted also the in-process
+                # readers alone (KVSCOPE_TRUSTED_FILES=1 skips the isolated pre-check)
+                for tool, extra in [("harness", {})] + ([("harness-trusted", {"KVSCOPE_TRUSTED_FILES": "1"})]
+                                                        if args.trusted else []):
+                    cmd = [os.path.abspath(args.harness), path]
+                    # three tools' work in one process (kvcap validate, kvsim's and kvview's checks)
+                    rc, stderr, secs, rss, to = run_tool(cmd, 3 * args.timeout, mem, {**env, **extra})
+                    kind_h = judge(rc, stderr, to, path)
+                    if kind_h is None and rc != 0:
+                        kind_h = f"exit{rc}"
+                    with open(path, "rb") as fh:
+                        record(-1, "replay", "replay " + r, fh.read(), tool, cmd, rc, stderr, secs, rss, kind_h)
         if not args.replay:
             with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
                 i = 0
