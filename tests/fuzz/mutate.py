@@ -478,22 +478,29 @@ def file_kind(path):
 
 
 class Xvfb:
-    """One X server for every kvview run of a fuzzing session (xvfb-run per case costs ~0.5 s)."""
+    """One X server for every kvview run of a fuzzing session (xvfb-run per case costs ~0.5 s). It
+    takes a random free display number in 200..899, away from the :0 and :99 upward that other
+    X servers and xvfb-run -a use (a server starting on our number would remove our socket)."""
 
     def __init__(self):
         self.proc = None
         self.display = None
         if shutil.which("Xvfb") is None:
             return
-        r, w = os.pipe()
-        self.proc = subprocess.Popen(["Xvfb", "-displayfd", str(w), "-screen", "0", "1280x1024x24", "-nolisten",
-                                      "tcp"], pass_fds=(w,), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        os.close(w)
-        with os.fdopen(r) as fh:
-            line = fh.readline().strip()
-        if line:
-            self.display = ":" + line
-        else:
+        rng = random.Random(os.getpid())
+        for _ in range(20):
+            n = rng.randrange(200, 900)
+            if os.path.exists(f"/tmp/.X{n}-lock") or os.path.exists(f"/tmp/.X11-unix/X{n}"):
+                continue
+            self.proc = subprocess.Popen(["Xvfb", f":{n}", "-screen", "0", "1280x1024x24", "-nolisten", "tcp"],
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for _wait in range(100):
+                if os.path.exists(f"/tmp/.X11-unix/X{n}"):
+                    self.display = f":{n}"
+                    return
+                if self.proc.poll() is not None:
+                    break
+                time.sleep(0.05)
             self.close()
 
     def close(self):
