@@ -1,9 +1,11 @@
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <thread>
 #if defined(__GLIBC__)
 #include <malloc.h>  // mallopt
 #endif
@@ -92,4 +94,22 @@ void release_large_blocks_promptly() {
 #endif
 }
 
+}  // namespace kvscope::cli
+
+namespace kvscope::cli {
+int max_threads() {
+  const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+  return static_cast<int>(std::min(4u * hw, 1024u));
+}
+
+std::string check_threads(long long n) {
+  if (n < 0) return "--threads must not be negative, got " + std::to_string(n);
+  if (n > max_threads()) {
+    return "--threads " + std::to_string(n) + " is more than the maximum of " +
+           std::to_string(max_threads()) + " (4 x the " +
+           std::to_string(std::max(1u, std::thread::hardware_concurrency())) +
+           " hardware threads, at most 1024)";
+  }
+  return "";
+}
 }  // namespace kvscope::cli

@@ -9,6 +9,7 @@
 #include <optional>
 #include <sstream>
 
+#include "kvscope/cli/progress.hpp"
 #include "kvscope/kernels/common.hpp"
 #include "kvscope/runner/error.hpp"
 #include "kvscope/runner/model.hpp"
@@ -139,8 +140,9 @@ po::options_description make_options() {
       "the question, in the model's vocabulary (e.g. \"how many shapes ?\")")(
       "max-new", po::value<int>()->default_value(16), "at most this many generated tokens (1..256)")(
       "device", po::value<std::string>()->default_value("cpu"),
-      "cpu or cuda (cuda needs a GPU build and a GPU)")("threads", po::value<int>()->default_value(0),
-                                                        "CPU threads (0 = all cores)")(
+      "cpu or cuda (cuda needs a GPU build and a GPU)")(
+      "threads", po::value<int>()->default_value(0),
+      "CPU threads (0 = all cores; at most 4 x the hardware threads, 1024)")(
       "dtype", po::value<std::string>()->default_value("float32"),
       "tensor dtype in the trace: float32, float16, bfloat16")("output,o", po::value<std::string>(),
                                                                "output trace file (.h5)");
@@ -183,7 +185,7 @@ int run_command(const std::vector<std::string>& args) {
   if (device_name != "cpu" && device_name != "cuda")
     return fail("--device '" + device_name + "' is not cpu or cuda");
   const int threads = vm["threads"].as<int>();
-  if (threads < 0) return fail("--threads must not be negative");
+  if (const std::string bad = cli::check_threads(threads); !bad.empty()) return fail(bad);
   const std::string dtype_name = vm["dtype"].as<std::string>();
   kvscope_dtype dtype = KVSCOPE_F32;
   if (dtype_name == "float16" || dtype_name == "fp16") {

@@ -5,6 +5,7 @@
 #include <benchmark/benchmark.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -17,10 +18,10 @@
 #include <vector>
 
 #include "bench_util.hpp"
-#include "kvscope/kernels/blas_runtime.hpp"
 #include "ceilings.hpp"
 #include "cupti_recorder.hpp"
 #include "kvbench_report.hpp"
+#include "kvscope/kernels/blas_runtime.hpp"
 #include "kvscope/kernels/common.hpp"
 #include "kvscope/kernels/device.hpp"
 
@@ -81,7 +82,7 @@ void print_help(const char* argv0) {
       "\n"
       "kvbench options:\n"
       "  --threads N        CPU threads for the kernels and the CPU ceilings (default: all\n"
-      "                     cores, %d here)\n"
+      "                     cores, %d here; at most 4 x that, 1024)\n"
       "  --json FILE        also write ceilings, throughputs, fractions (and CUPTI timings)\n"
       "                     as JSON to FILE\n"
       "  --cupti            record kernel/memcpy/memset durations with the CUPTI Activity\n"
@@ -134,8 +135,17 @@ bool parse_options(int argc, char** argv, Options* o, bool* exit_now) {
       if (!value("--threads", &v)) return false;
       char* end = nullptr;
       const long n = std::strtol(v.c_str(), &end, 10);
-      if (end == v.c_str() || *end != '\0' || n <= 0 || n > 4096) {
+      if (end == v.c_str() || *end != '\0' || n <= 0) {
         std::fprintf(stderr, "kvbench: --threads needs a positive integer, got '%s'\n", v.c_str());
+        return false;
+      }
+      // Same cap as kvsim and kvcap: 4 x the hardware threads, at most 1024 (docs/robustness.md).
+      const long max = std::min(4L * std::max(1, omp_get_num_procs()), 1024L);
+      if (n > max) {
+        std::fprintf(stderr,
+                     "kvbench: --threads %ld is more than the maximum of %ld (4 x the hardware threads, at "
+                     "most 1024)\n",
+                     n, max);
         return false;
       }
       o->threads = static_cast<int>(n);

@@ -5,6 +5,8 @@
 #include <hdf5.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <mutex>
 #include <string>
@@ -15,6 +17,16 @@
 namespace kvscope::sim {
 
 namespace {
+
+// Limits on sizes a results file declares (docs/results-format.md, "Limits"): checked before any
+// allocation, with the stored bytes of every dataset (deflate expands at most 1032:1).
+constexpr std::int64_t kMaxPoints = 100000;  // a sweep makes at most kMaxSweepPoints (10,000)
+constexpr std::int64_t kMaxLayers = 1024, kMaxHeads = 1024;
+constexpr std::uint64_t kMaxHeadRows = std::uint64_t{1} << 22;  // P x L x H rows of /heads
+constexpr std::uint64_t kMaxFlags = std::uint64_t{1} << 22;
+constexpr std::uint64_t kMaxCompressionRatio = 1032, kStorageSlackBytes = 64 * 1024;
+constexpr std::size_t kMaxAttrStringBytes = std::size_t{1} << 20;
+constexpr std::uint64_t kMaxStringBytes = std::uint64_t{256} << 20;  // all strings of one dataset
 
 class Handle {
  public:
@@ -78,7 +90,10 @@ class Reader {
       H5Dvlen_reclaim(mtype, space, H5P_DEFAULT, &p);
       return s;
     }
-    std::string s(H5Tget_size(ftype), '\0');
+    const std::size_t size = H5Tget_size(ftype);
+    if (size == 0 || size > kMaxAttrStringBytes)
+      fail(object, "fixed-length string of " + std::to_string(size) + " bytes");
+    std::string s(size, '\0');
     if (H5Aread(a, ftype, s.data()) < 0) fail(object, "cannot read");
     return s.substr(0, s.find('\0'));
   }
@@ -94,7 +109,23 @@ class Reader {
     Handle space(H5Aget_space(a), H5Sclose);
     const hssize_t n = H5Sget_simple_extent_npoints(space);
     if (n < 1) fail(object, "empty attribute");
+    if (n > 1024) fail(object, std::to_string(n) + " values, more than an attribute of a results file holds");
+    Handle type(H5Aget_type(a), H5Tclose);
+    const H5T_class_t cls = H5Tget_class(type);
     std::vector<std::int64_t> v(static_cast<std::size_t>(n));
+    if (cls == H5T_FLOAT) {
+      // Accepted where it holds integers exactly: 4.0 reads as 4, 4.5 is an error (not 4).
+      std::vector<double> d(static_cast<std::size_t>(n));
+      if (H5Aread(a, H5T_NATIVE_DOUBLE, d.data()) < 0) fail(object, "cannot read");
+      for (std::size_t i = 0; i < d.size(); ++i) {
+        if (!std::isfinite(d[i]) || d[i] != std::floor(d[i]) || std::fabs(d[i]) >= 9.2e18) {
+          fail(object, "must be an integer, got " + std::to_string(d[i]));
+        }
+        v[i] = static_cast<std::int64_t>(d[i]);
+      }
+      return v;
+    }
+    if (cls != H5T_INTEGER && cls != H5T_ENUM) fail(object, "not an integer attribute");
     if (H5Aread(a, H5T_NATIVE_INT64, v.data()) < 0) fail(object, "not an integer attribute");
     return v;
   }
@@ -105,6 +136,7 @@ class Reader {
     Handle d = open(object, dims);
     std::size_t n = 1;
     for (hsize_t x : dims) n *= x;
+    check_storage(d, object, n, sizeof(T));
     std::vector<T> v(n);
     if (n > 0 && H5Dread(d, mem_type<T>(), H5S_ALL, H5S_ALL, H5P_DEFAULT, v.data()) < 0) {
       fail(object, "cannot read as a number array");
@@ -116,9 +148,11 @@ class Reader {
     Handle d = open(object, {n});
     Handle ftype(H5Dget_type(d), H5Tclose);
     if (H5Tget_class(ftype) != H5T_STRING) fail(object, "not a string dataset");
+    check_storage(d, object, n, H5Tis_variable_str(ftype) > 0 ? 16 : H5Tget_size(ftype));
     std::vector<std::string> out;
     if (n == 0) return out;
     if (H5Tis_variable_str(ftype) > 0) {
+      check_string_lengths(d, object, n);
       Handle mtype(H5Tcopy(H5T_C_S1), H5Tclose);
       H5Tset_size(mtype, H5T_VARIABLE);
       H5Tset_cset(mtype, H5Tget_cset(ftype));
@@ -140,6 +174,71 @@ class Reader {
   }
 
  private:
+  // HDF5 allocates (and zeroes) a buffer of the length stored in each variable-length string before
+  // reading it: for a contiguous dataset, read those lengths (the first 4 bytes, little-endian, of
+  // each 16-byte element) from the file first and bound them by the file size and kMaxStringBytes.
+  void check_string_lengths(hid_t d, const std::string& object, hsize_t n) const {
+    Handle dcpl(H5Dget_create_plist(d), H5Pclose);
+    if (dcpl < 0 || H5Pget_layout(dcpl) != H5D_CONTIGUOUS || H5Pget_external_count(dcpl) > 0) return;
+    const haddr_t off = H5Dget_offset(d);
+    const std::uint64_t stored = H5Dget_storage_size(d);
+    hsize_t file_size = 0;
+    if (off == HADDR_UNDEF || H5Fget_filesize(file_, &file_size) < 0 || n == 0) {
+      H5Eclear2(H5E_DEFAULT);
+      return;
+    }
+    if (off > file_size || stored > file_size - off || stored % n != 0 || stored / n < 12) {
+      fail(object, "stores " + std::to_string(stored) + " bytes for " + std::to_string(n) + " strings");
+    }
+    std::vector<unsigned char> raw(stored);
+    std::FILE* fp = std::fopen(path_.c_str(), "rb");
+    if (!fp) return;
+    const bool ok =
+        fseeko(fp, static_cast<off_t>(off), SEEK_SET) == 0 && std::fread(raw.data(), 1, stored, fp) == stored;
+    std::fclose(fp);
+    if (!ok) return;
+    const std::uint64_t elem = stored / n;
+    std::uint64_t total = 0;
+    for (hsize_t i = 0; i < n; ++i) {
+      const unsigned char* e = raw.data() + i * elem;
+      const std::uint64_t len = std::uint64_t{e[0]} | std::uint64_t{e[1]} << 8 | std::uint64_t{e[2]} << 16 |
+                                std::uint64_t{e[3]} << 24;
+      if (len > file_size) {
+        fail(object, "string " + std::to_string(i) + ": stored length " + std::to_string(len) +
+                         " bytes, more than the file's " + std::to_string(file_size) +
+                         " (corrupt string length)");
+      }
+      total += len;
+    }
+    if (total > kMaxStringBytes) {
+      fail(object, "strings of " + std::to_string(total) + " bytes in all, more than the limit of " +
+                       std::to_string(kMaxStringBytes));
+    }
+  }
+
+  // The data a dataset declares must be in the file: at most its stored bytes (x1032 with filters).
+  void check_storage(hid_t d, const std::string& object, std::uint64_t n, std::uint64_t elem) const {
+    if (n == 0 || elem == 0) return;
+    if (n > (std::uint64_t{1} << 40) / elem)
+      fail(object, std::to_string(n) + " elements is more than a results file holds");
+    const std::uint64_t declared = n * elem;
+    if (declared <= kStorageSlackBytes) return;
+    Handle dcpl(H5Dget_create_plist(d), H5Pclose);
+    if (dcpl < 0) fail(object, "cannot read the dataset's creation properties");
+    if (H5Pget_external_count(dcpl) > 0 || H5Pget_layout(dcpl) == H5D_VIRTUAL) return;
+    const std::uint64_t stored = H5Dget_storage_size(d);
+    hsize_t file_size = 0;
+    if (H5Fget_filesize(file_, &file_size) < 0 || stored > file_size) {
+      fail(object, "claims " + std::to_string(stored) + " bytes of storage in a file of " +
+                       std::to_string(file_size));
+    }
+    const std::uint64_t ratio = H5Pget_nfilters(dcpl) > 0 ? kMaxCompressionRatio : 1;
+    if (declared > stored * ratio + kStorageSlackBytes) {
+      fail(object, "declares " + std::to_string(declared) + " bytes of data but stores " +
+                       std::to_string(stored) + ": the data is not in the file");
+    }
+  }
+
   Handle open(const std::string& object, const std::vector<hsize_t>& dims) const {
     trace::note_object_being_read(object);
     if (H5Lexists(file_, object.substr(0, object.rfind('/')).c_str(), H5P_DEFAULT) <= 0 ||
@@ -251,12 +350,21 @@ std::vector<PointResult> read_contents(const Reader& r, ResultsMeta* meta) {
     }
   }
   const bool v11 = minor >= 1;
-  auto count = [&](const char* name) {
+  auto count = [&](const char* name, std::int64_t max) {
     const std::int64_t v = r.attr_i64(name)[0];
     if (v < 0) r.fail(std::string("/@") + name, "negative");
+    if (v > max)
+      r.fail(std::string("/@") + name,
+             std::to_string(v) + " is more than the limit of " + std::to_string(max));
     return static_cast<hsize_t>(v);
   };
-  const hsize_t P = count("num_points"), L = count("num_layers"), H = count("num_kv_heads");
+  const hsize_t P = count("num_points", kMaxPoints), L = count("num_layers", kMaxLayers),
+                H = count("num_kv_heads", kMaxHeads);
+  if (P * L * H > kMaxHeadRows) {
+    r.fail("/@num_points", std::to_string(P) + " points x " + std::to_string(L) + " layers x " +
+                               std::to_string(H) + " heads is more than the limit of " +
+                               std::to_string(kMaxHeadRows) + " head rows");
+  }
   if (meta) {
     *meta = ResultsMeta{};
     meta->trace_path = r.attr_string("trace_path");
@@ -319,8 +427,11 @@ std::vector<PointResult> read_contents(const Reader& r, ResultsMeta* meta) {
 
   // /flags: F is the length of /flags/point (0 when the sweep flagged nothing).
   hsize_t F = 0;
-  for (const auto& n : r.dataset<std::int32_t>("/points/num_flags", {P}))
+  for (const auto& n : r.dataset<std::int32_t>("/points/num_flags", {P})) {
     F += static_cast<hsize_t>(std::max(0, n));
+    if (F > kMaxFlags)
+      r.fail("/points/num_flags", "more than the limit of " + std::to_string(kMaxFlags) + " flags");
+  }
   const std::vector<std::int32_t> fpoint = r.dataset<std::int32_t>("/flags/point", {F});
   const std::vector<std::string> flag_mode = r.strings("/flags/mode", F);
   const std::vector<std::string> flayers = r.strings("/flags/layers", F);

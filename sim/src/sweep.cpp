@@ -48,6 +48,14 @@ std::vector<Budget> parse_budget_list(const std::string& text) {
           b > 1 || a > b) {
         throw PolicyError("malformed budget range '" + item + "' (use START:STOP:STEP with 0 < START <= STOP <= 1)");
       }
+      // Counted before any is made: 0.1:0.9:1e-7 would be 8 million points.
+      const double count = std::floor((b - a) / step + 1e-9) + 1;
+      if (count + static_cast<double>(out.size()) > static_cast<double>(kMaxSweepPoints)) {
+        std::ostringstream os;
+        os << "budget range '" << item << "' asks for " << std::llround(std::min(count, 1e18))
+           << " budgets; at most " << kMaxSweepPoints << " in all";
+        throw PolicyError(os.str());
+      }
       for (int i = 0;; ++i) {
         const double x = std::round((a + i * step) * 1e9) / 1e9;
         if (x > b + 1e-9) break;
@@ -57,6 +65,9 @@ std::vector<Budget> parse_budget_list(const std::string& text) {
       }
     } else {
       out.push_back(parse_budget(item));
+    }
+    if (out.size() > kMaxSweepPoints) {
+      throw PolicyError("budget list asks for more than " + std::to_string(kMaxSweepPoints) + " budgets");
     }
   }
   if (out.empty()) throw PolicyError("empty budget list");
@@ -71,6 +82,10 @@ std::vector<SweepPoint> make_sweep_points(const std::vector<PolicySpec>& policie
       none.text = "-";
       pts.push_back({p, none});
       continue;
+    }
+    if (pts.size() + budgets.size() > kMaxSweepPoints) {
+      throw PolicyError(std::to_string(policies.size()) + " policies x " + std::to_string(budgets.size()) +
+                        " budgets is more than " + std::to_string(kMaxSweepPoints) + " sweep points");
     }
     for (const auto& b : budgets) pts.push_back({p, b});
   }

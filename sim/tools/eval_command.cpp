@@ -69,7 +69,8 @@ po::options_description make_options() {
       "CSV of the generated answers, one row per point x sample: sample, family, policy, budget, "
       "generated, expected, correct")(
       "threads", po::value<int>()->default_value(1),
-      "OpenMP threads of the runner and kernels (0 = OpenMP default); a sample is a few ms of "
+      "OpenMP threads of the runner and kernels (0 = OpenMP default; at most 4 x the hardware threads, "
+      "1024); a sample is a few ms of "
       "work, so 1 is fastest on a shared machine")("quiet,q", "no progress bar");
   return opts;
 }
@@ -98,7 +99,7 @@ int eval_command(const std::vector<std::string>& args) {
   const unsigned long long seed = vm["seed"].as<unsigned long long>();
   if (n < 1) return fail("--samples must be >= 1");
   if (max_new < 1 || max_new > 64) return fail("--max-new must be in 1..64");
-  if (threads < 0) return fail("--threads must not be negative");
+  if (const std::string bad = cli::check_threads(threads); !bad.empty()) return fail(bad);
 
   // Points: policies x budgets in kvsim's syntax, `full` first.
   std::vector<sim::SweepPoint> points;

@@ -84,16 +84,20 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
   opts.add_options()("policy-file", po::value<std::vector<std::string>>()->composing(),
                      "INI file with [policy NAME] sections (base = PRESET, parameters; docs/policies.md)")(
       "output,o", po::value<std::string>(), "write results to this HDF5 file (docs/results-format.md)")(
-      "csv", po::value<std::string>(), "write results to this CSV file (one row per point x layer x modality)")(
-      "threads", po::value<int>()->default_value(0), "CPU threads for the kernels (0 = all cores)")(
+      "csv", po::value<std::string>(),
+      "write results to this CSV file (one row per point x layer x modality)")(
+      "threads", po::value<int>()->default_value(0),
+      "CPU threads for the kernels (0 = all cores; at most 4 x the hardware threads, 1024)")(
       "backend", po::value<std::string>()->default_value("auto"),
       "kernels to run on: cpu, cuda (exit 2 without a CUDA build or GPU), or auto (CUDA when this kvsim was "
       "built with it and a GPU is present, else CPU); the choice is printed on stderr")(
       "layers", "also print the per-layer table of each point")(
       "explain", "print the evidence and suggested fix of every collapse flag (default: Pareto points only)")(
-      "blind-recall", po::value<double>()->default_value(0.5, "0.5"), "visual blindness: vision recall threshold")(
-      "kl-threshold", po::value<double>()->default_value(0.1, "0.1"), "over-compression: KL threshold in the last layers")(
-      "quiet,q", "no progress bar")("trusted-files", trace::kTrustedFilesHelp);
+      "blind-recall", po::value<double>()->default_value(0.5, "0.5"),
+      "visual blindness: vision recall threshold")(
+      "kl-threshold", po::value<double>()->default_value(0.1, "0.1"),
+      "over-compression: KL threshold in the last layers")("quiet,q", "no progress bar")(
+      "trusted-files", trace::kTrustedFilesHelp);
   po::variables_map vm;
   const std::string name = "kvsim " + command;
   try {
@@ -124,8 +128,8 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
     return 2;
   }
   const int threads = vm["threads"].as<int>();
-  if (threads < 0) {
-    std::cerr << name << ": --threads must be >= 0\n";
+  if (const std::string bad = cli::check_threads(threads); !bad.empty()) {
+    std::cerr << name << ": " << bad << "\n";
     return 2;
   }
   kernels::set_cpu_threads(threads);
@@ -175,9 +179,11 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
     // A trace without decode steps is valid (docs/trace-format.md section 4) but has no evaluation
     // queries to replay: refuse it here, before any layer is read.
     if (reader.num_decode_steps() == 0) {
-      throw trace::TraceError(trace::ErrorKind::kValue, reader.path(), "/decode/tokens/token_id",
-                              "no decode steps (S = 0): kvsim " + command +
-                                  " needs at least one evaluation query to replay the trace");
+      throw trace::TraceError(
+          trace::ErrorKind::kValue, reader.path(), "/decode/tokens/token_id",
+          "no decode steps (S = 0): kvsim " + command +
+              " needs evaluation queries; capture at least one generated token (kvcap run "
+              "--max-new N, or kvcap synth --decode N)");
     }
     const TraceSummary summary = summarize(reader);
     SweepOptions so;

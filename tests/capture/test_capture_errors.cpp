@@ -1,5 +1,6 @@
 // Every documented error path of the C API returns its status and a one-line message that
 // names the problem; the capture stays usable after an argument error.
+#include <cmath>
 #include <filesystem>
 #include <limits>
 
@@ -72,6 +73,17 @@ TEST_F(CaptureErrors, OpenArguments) {
   bad.num_layers = 0;
   EXPECT_CAPTURE_ERROR(kvscope_capture_open(p.c_str(), &bad, g_.T, &c), KVSCOPE_ERR_ARGUMENT,
                        "config.num_layers must be > 0");
+  // What the trace reader would refuse (docs/trace-format.md) is refused at open.
+  for (const double theta : {0.0, -1.0, std::numeric_limits<double>::infinity(), std::nan("")}) {
+    bad = cfg_;
+    bad.rope_theta = theta;
+    EXPECT_CAPTURE_ERROR(kvscope_capture_open(p.c_str(), &bad, g_.T, &c), KVSCOPE_ERR_ARGUMENT,
+                         "config.rope_theta must be a finite number > 0");
+  }
+  bad = cfg_;
+  bad.num_q_heads = bad.num_kv_heads = 2048;
+  EXPECT_CAPTURE_ERROR(kvscope_capture_open(p.c_str(), &bad, g_.T, &c), KVSCOPE_ERR_ARGUMENT,
+                       "over the trace format's limits");
   bad = cfg_;
   bad.dtype = static_cast<kvscope_dtype>(7);
   EXPECT_CAPTURE_ERROR(kvscope_capture_open(p.c_str(), &bad, g_.T, &c), KVSCOPE_ERR_ARGUMENT,

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <string>
 
@@ -259,6 +260,76 @@ TEST(ResultsReader, NamesMissingAndMisshapenDatasets) {
     H5Sclose(space);
   });
   expect_error(shape, "/heads/output_error", "shape (3), expected (4, 3, 2)");
+}
+
+void set_root_i64(hid_t file, const char* name, std::int64_t value) {
+  H5Adelete(file, name);
+  const hid_t space = H5Screate(H5S_SCALAR);
+  const hid_t a = H5Acreate2(file, name, H5T_STD_I64LE, space, H5P_DEFAULT, H5P_DEFAULT);
+  H5Awrite(a, H5T_NATIVE_INT64, &value);
+  H5Aclose(a);
+  H5Sclose(space);
+}
+
+// Sizes a results file declares are checked before anything of that size is allocated.
+TEST(ResultsReader, DeclaredSizesAreCheckedBeforeAllocation) {
+  expect_error(broken_file("points-1e7.h5", [](hid_t f) { set_root_i64(f, "num_points", 10'000'000); }),
+               "/@num_points", "10000000 is more than the limit of 100000");
+  expect_error(broken_file("layers-1e5.h5", [](hid_t f) { set_root_i64(f, "num_layers", 100'000); }),
+               "/@num_layers", "more than the limit of 1024");
+  expect_error(broken_file("rows.h5",
+                           [](hid_t f) {
+                             set_root_i64(f, "num_points", 100'000);
+                             set_root_i64(f, "num_layers", 1024);
+                           }),
+               "/@num_points", "head rows");
+  expect_error(broken_file("points-fraction.h5",
+                           [](hid_t f) {
+                             H5Adelete(f, "num_points");
+                             const double v = 4.5;
+                             const hid_t space = H5Screate(H5S_SCALAR);
+                             const hid_t at =
+                                 H5Acreate2(f, "num_points", H5T_IEEE_F64LE, space, H5P_DEFAULT, H5P_DEFAULT);
+                             H5Awrite(at, H5T_NATIVE_DOUBLE, &v);
+                             H5Aclose(at);
+                             H5Sclose(space);
+                           }),
+               "/@num_points", "must be an integer, got 4.5");
+  // A dataset of the declared shape that stores nothing: its strings would be read as empty.
+  const std::string unstored = broken_file("unstored.h5", [](hid_t f) {
+    set_root_i64(f, "num_points", 20'000);
+    H5Ldelete(f, "/points/policy", H5P_DEFAULT);
+    const hsize_t dims[1] = {20'000};
+    const hid_t space = H5Screate_simple(1, dims, nullptr);
+    const hid_t type = H5Tcopy(H5T_C_S1);
+    H5Tset_size(type, H5T_VARIABLE);
+    const hid_t d = H5Dcreate2(f, "/points/policy", type, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+    H5Dclose(d);
+    H5Tclose(type);
+    H5Sclose(space);
+  });
+  expect_error(unstored, "/points/policy", "the data is not in the file");
+  // A corrupt length field of a variable-length string: refused before HDF5 allocates it.
+  const std::string path = temp_path("string-length.h5");
+  write_hdf5(path, testing::sample_points(), testing::sample_meta());
+  haddr_t off = HADDR_UNDEF;
+  {
+    const hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+    const hid_t d = H5Dopen2(f, "/points/budget", H5P_DEFAULT);
+    off = H5Dget_offset(d);
+    H5Dclose(d);
+    H5Fclose(f);
+  }
+  ASSERT_NE(off, HADDR_UNDEF);
+  {
+    std::FILE* fp = std::fopen(path.c_str(), "r+b");
+    ASSERT_NE(fp, nullptr);
+    const unsigned char huge[4] = {0x05, 0x00, 0x00, 0xF0};  // 4026531845 bytes
+    ASSERT_EQ(std::fseek(fp, static_cast<long>(off) + 16, SEEK_SET), 0);
+    ASSERT_EQ(std::fwrite(huge, 1, 4, fp), 4u);
+    std::fclose(fp);
+  }
+  expect_error(path, "/points/budget", "string 1: stored length 4026531845 bytes");
 }
 
 }  // namespace

@@ -53,6 +53,21 @@ inline void set_string_attr(hid_t f, const char* name, const std::string& v) {
   H5Tclose(t);
 }
 
+inline void set_num_attr(hid_t f, const char* name, hid_t ftype, hid_t mtype, const void* v) {
+  H5Adelete(f, name);
+  hid_t s = H5Screate(H5S_SCALAR);
+  hid_t a = H5Acreate2(f, name, ftype, s, H5P_DEFAULT, H5P_DEFAULT);
+  H5Awrite(a, mtype, v);
+  H5Aclose(a);
+  H5Sclose(s);
+}
+inline void set_f64_attr(hid_t f, const char* name, double v) {
+  set_num_attr(f, name, H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &v);
+}
+inline void set_i64_attr(hid_t f, const char* name, std::int64_t v) {
+  set_num_attr(f, name, H5T_STD_I64LE, H5T_NATIVE_INT64, &v);
+}
+
 // Replaces dataset `path` by one of type `type` and shape `dims` filled with zeros.
 inline void replace_dataset(hid_t f, const std::string& path, hid_t type, std::vector<hsize_t> dims) {
   H5Ldelete(f, path.c_str(), H5P_DEFAULT);
@@ -161,6 +176,49 @@ inline std::vector<BadCase> bad_cases() {
                  replace_dataset(f, "/layers/002/v", H5T_IEEE_F32LE, {2, 26, 32});
                  H5Fclose(f);
                }});
+  // Attribute values and declared sizes (more, made with h5py, in limits_h5py.py).
+  auto edit = [](auto fn) {
+    return [fn](const std::string& p) {
+      write_small_trace(p);
+      hid_t f = open_rw(p);
+      fn(f);
+      H5Fclose(f);
+    };
+  };
+  for (const char* v : {" 1.0", "1.0abc", "1.0.0"}) {
+    c.push_back({std::string("version_") + (v[0] == ' '                  ? "space"
+                                            : std::string(v).size() == 6 ? "suffix"
+                                                                         : "three"),
+                 "is not MAJOR.MINOR", edit([v](hid_t f) { set_string_attr(f, "version", v); })});
+  }
+  c.push_back({"rope_theta_inf", "/@rope_theta: must be a finite number > 0", edit([](hid_t f) {
+                 set_f64_attr(f, "rope_theta", std::numeric_limits<double>::infinity());
+               })});
+  c.push_back({"num_q_heads_fraction", "/@num_q_heads: must be an integer, got 4.5",
+               edit([](hid_t f) { set_f64_attr(f, "num_q_heads", 4.5); })});
+  c.push_back({"num_q_heads_1e5", "/@num_q_heads: 100000 is more than the limit of 1024",
+               edit([](hid_t f) { set_i64_attr(f, "num_q_heads", 100000); })});
+  c.push_back({"complete_negative", "/@complete: must be 0 or 1, got -1",
+               edit([](hid_t f) { set_i64_attr(f, "complete", -1); })});
+  c.push_back({"attn_window_longer_than_T",
+               "/layers/000/attn_window: window W = 1000 must be between 1 and T = 26", edit([](hid_t f) {
+                 replace_dataset(f, "/layers/000/attn_window", H5T_IEEE_F32LE, {4, 1000, 26});
+               })});
+  c.push_back({"grid_on_text_token", "/tokens/grid: token 1 is not a vision token but has grid cell (0, 0)",
+               edit([](hid_t f) {
+                 hid_t d = H5Dopen2(f, "/tokens/grid", H5P_DEFAULT);
+                 std::vector<std::int32_t> g(26 * 2);
+                 H5Dread(d, H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, g.data());
+                 g[2] = g[3] = 0;  // token 1 is text
+                 H5Dwrite(d, H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, g.data());
+                 H5Dclose(d);
+               })});
+  c.push_back({"zero_tokens", "T = 0: a trace needs at least one context token", edit([](hid_t f) {
+                 replace_dataset(f, "/tokens/modality", H5T_STD_U8LE, {0});
+                 for (const char* n : {"/tokens/position", "/tokens/token_id", "/tokens/segment"})
+                   replace_dataset(f, n, H5T_STD_I32LE, {0});
+                 replace_dataset(f, "/tokens/grid", H5T_STD_I32LE, {0, 2});
+               })});
   c.push_back({"incomplete", "incomplete", [](const std::string& p) {
                  synth::SynthGenerator gen(synth::SynthOptions{});
                  trace::TraceWriter w(p, gen.header(), gen.num_tokens(), gen.num_decode_steps());

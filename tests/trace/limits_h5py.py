@@ -25,8 +25,13 @@ GiB = 1 << 30
 
 
 def sanitized(binary):
+    """True for a sanitizer build (its shadow memory needs far more address space than 1 GiB)."""
     r = subprocess.run(["ldd", binary], capture_output=True, text=True)
-    return "asan" in r.stdout or "tsan" in r.stdout or "ubsan" in r.stdout
+    if "asan" in r.stdout or "tsan" in r.stdout or "msan" in r.stdout:
+        return True
+    with open(binary, "rb") as fp:  # statically linked runtimes (clang's default)
+        data = fp.read()
+    return any(m in data for m in (b"__asan_init", b"__tsan_init", b"__msan_init"))
 
 
 limit = [] if sanitized(kvcap) or not shutil.which("prlimit") else ["prlimit", f"--as={GiB}"]
@@ -146,6 +151,20 @@ for name, length, expect in (("text_length_4e9", 0xF0000005, "corrupt string len
     corrupt_string_length(path, 0, length if length is not None else first + 5)
     expect_bad(name, path, expect)
 
+# The same in the /profile/ranges table (compound rows; the name is the first member).
+for name, delta, expect in (("range_name_length_4e9", None, "row 1: stored string length 4026531845 bytes"),
+                            ("range_name_length_plus5", 5, "row 1: stored length")):
+    path = out / f"{name}.h5"
+    shutil.copy(good, path)
+    with h5py.File(path, "r") as f:
+        ds = f["profile/ranges"]
+        off, row = ds.id.get_offset(), ds.id.get_storage_size() // ds.shape[0]
+        first = len(ds[1]["name"])
+    with open(path, "r+b") as fp:
+        fp.seek(off + row * 1)
+        fp.write(int(0xF0000005 if delta is None else first + delta).to_bytes(4, "little"))
+    expect_bad(name, path, expect, info=False)
+
 # --- datatypes ------------------------------------------------------------------------------------
 def custom_f16(ebias=None, order=None):
     t = h5py.h5t.IEEE_F16LE.copy() if hasattr(h5py.h5t, "IEEE_F16LE") else h5py.h5t.py_create(np.dtype("<f2"))
@@ -172,6 +191,15 @@ def f16_bias_133(f):
 case("f16_ebias_133", f16_bias_133, "exponent bias 133, expected 15")
 case("f16_big_endian", lambda f: replace(f, "layers/000/k", data=f["layers/000/k"][:].astype(">f2")),
      "big-endian float16 not allowed")
+
+bf16 = out / "good_bf16.h5"
+subprocess.run([kvcap, "synth", "--preset", "tiny", "--dtype", "bfloat16", "-q", "-o", str(bf16)], check=True)
+path = out / "bf16_big_endian.h5"
+shutil.copy(bf16, path)
+with h5py.File(path, "r+") as f:
+    x = f["layers/000/k"][:]
+    replace(f, "layers/000/k", data=x.astype(">u2")).attrs["dtype"] = "bfloat16"
+expect_bad("bf16_big_endian", path, "bfloat16 must be stored as 16-bit little-endian unsigned integers")
 
 # --- values ---------------------------------------------------------------------------------------
 for dt in ("int8", "int16", "int64"):
@@ -234,6 +262,13 @@ def profile_not_group(f):
 
 case("profile_not_a_group", profile_not_group, "/profile", info=False)
 
+# A string attribute over 1 MiB (dense attribute storage needs the newest file format).
+path = out / "attr_string_2mib.h5"
+shutil.copy(good, path)
+with h5py.File(path, "r+", libver="latest") as f:
+    set_attr(f, "creator", "x" * (2 << 20))
+expect_bad("attr_string_2mib", path, "/@creator: string of 2097152 bytes, more than the limit of 1048576")
+
 # --- valid files the spec allows ------------------------------------------------------------------
 fixed = out / "fixed_utf8.h5"
 shutil.copy(good, fixed)
@@ -263,6 +298,10 @@ with h5py.File(ascii_, "r+") as f:
     f.create_dataset("layers/002/attn_colsum", data=np.full((Hq, T), 0.5, np.float32))
     f.create_dataset("layers/002/attn_window", data=np.full((Hq, 3, T), 0.25, np.float32))
 expect_good("fixed_ascii_and_integral_float", ascii_)
+# An image whose last row is partial (17 patches as 4 x 5 with 3 cells missing) is valid.
+partial = out / "partial_row.h5"
+subprocess.run([kvcap, "synth", "--preset", "tiny", "--image-tokens", "17", "-q", "-o", str(partial)], check=True)
+expect_good("image_with_partial_last_row", partial)
 # Zero decode steps: valid, but not replayable; kvsim says so up front in one line.
 nodec = out / "no_decode.h5"
 shutil.copy(good, nodec)
@@ -283,6 +322,16 @@ for sub in (["run", "--policy", "full"], ["sweep", "--policies", "full"]):
         print("FAIL", failures[-1])
     else:
         print(f"ok   kvsim {sub[0]} no_decode: {lines[0]}")
+
+# kvsim run refuses what the validator refuses, with the same one line (the issue's cross-tool cases).
+for name in ("zero_tokens", "heads_1e5", "attn_window_1e6"):
+    path = out / f"{name}.h5"
+    r = run([kvsim, "run", "-t", str(path), "--policy", "full", "-q"])
+    if r is None or not 1 <= r.returncode <= 127 or len(r.lines) != 1 or str(path) not in r.lines[0]:
+        failures.append(f"kvsim run {name}: exit {r and r.returncode}: {r and r.stderr.strip()[-300:]}")
+        print("FAIL", failures[-1])
+    else:
+        print(f"ok   kvsim run {name}: {r.lines[0]}")
 
 print("limits_h5py: %d failure(s)" % len(failures))
 sys.exit(1 if failures else 0)

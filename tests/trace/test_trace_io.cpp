@@ -203,6 +203,30 @@ long max_rss_kib() {
   return u.ru_maxrss;
 }
 
+// What the reader would refuse, the writer refuses before creating the file.
+TEST(TraceWriter, RefusesWhatTheReaderWouldRefuse) {
+  const std::string path = (temp_dir() / "refused.h5").string();
+  auto expect_usage = [&](TraceHeader hd, std::size_t T, std::size_t S, const std::string& fragment) {
+    try {
+      TraceWriter w(path, hd, T, S);
+      ADD_FAILURE() << "accepted: " << fragment;
+    } catch (const TraceError& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kUsage);
+      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+    }
+    EXPECT_FALSE(fs::exists(path));
+  };
+  TraceHeader hd;
+  hd.geometry = {2, 4, 2, 32, 10000.0, "x"};
+  TraceHeader bad = hd;
+  bad.geometry.rope_theta = 0;
+  expect_usage(bad, 8, 1, "rope_theta must be a finite number > 0");
+  bad = hd;
+  bad.geometry.num_q_heads = bad.geometry.num_kv_heads = 2048;
+  expect_usage(bad, 8, 1, "limits");
+  expect_usage(hd, std::size_t{1} << 25, 1, "limits");
+}
+
 TEST(TraceReader, PeakMemoryIsBoundedByOneLayer) {
 #if defined(__SANITIZE_ADDRESS__)
   GTEST_SKIP() << "ASan's quarantine keeps freed memory resident: RSS says nothing here";

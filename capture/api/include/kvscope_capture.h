@@ -78,7 +78,7 @@ typedef struct kvscope_capture_config {
   int32_t num_q_heads;
   int32_t num_kv_heads;
   int32_t head_dim;
-  double rope_theta;
+  double rope_theta;      /* the model's RoPE base: finite and > 0 (kvscope_capture_open refuses others) */
   const char* model_name; /* root attribute model_name */
   const char* device;     /* root attribute device: "cpu", "NVIDIA H200", ...; NULL = detected */
   const char* creator;    /* root attribute creator; NULL = "kvscope-capture <version>" */

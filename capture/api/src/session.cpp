@@ -2,6 +2,7 @@
 // order of calls, then stages the tensors into the bounded queue.
 #include "session.hpp"
 
+#include <cmath>
 #include <cstring>
 #include <utility>
 
@@ -34,6 +35,17 @@ Session::Session(const std::string& path, const kvscope_capture_config& c, std::
         ") must be a multiple of config.num_kv_heads (" + std::to_string(c.num_kv_heads) + ")");
   }
   if (c.head_dim <= 0) bad("config.head_dim must be > 0 (got " + std::to_string(c.head_dim) + ")");
+  // The trace format's limits and rope_theta rule (docs/trace-format.md): a capture the reader would
+  // refuse is refused when it is opened.
+  if (c.num_layers > trace::limits::kMaxLayers || c.num_q_heads > trace::limits::kMaxHeads ||
+      c.head_dim > trace::limits::kMaxHeadDim) {
+    bad("config geometry over the trace format's limits (num_layers <= 1024, num_q_heads <= 1024, head_dim "
+        "<= 4096)");
+  }
+  if (!(std::isfinite(c.rope_theta) && c.rope_theta > 0)) {
+    bad("config.rope_theta must be a finite number > 0 (the model's RoPE base, e.g. 10000; got " +
+        std::to_string(c.rope_theta) + ")");
+  }
   if (!valid_dtype(raw_enum(c.dtype)))
     bad("config.dtype " + std::to_string(raw_enum(c.dtype)) +
         " is not KVSCOPE_F32, KVSCOPE_F16 or KVSCOPE_BF16");

@@ -17,6 +17,7 @@
 #include "failure.hpp"
 #include "job_queue.hpp"
 #include "kvscope/trace/error.hpp"
+#include "kvscope/trace/limits.hpp"
 #include "kvscope/trace/writer.hpp"
 #include "kvscope_capture.h"
 #include "profiler.hpp"

@@ -287,7 +287,7 @@ bool read_attr_bool(const Ctx& c, hid_t obj, const std::string& objpath, const s
 
 std::vector<hsize_t> dataset_shape(const Ctx& c, hid_t file, const std::string& path) {
   begin_read(path);
-  if (!exists(file, path)) c.fail(ErrorKind::kMissing, path, "dataset is missing");
+  if (!exists(c, file, path)) c.fail(ErrorKind::kMissing, path, "dataset is missing");
   Handle d = c.check_id(H5Dopen2(file, path.c_str(), H5P_DEFAULT), H5Dclose, path, "H5Dopen2");
   Handle s = c.check_id(H5Dget_space(d), H5Sclose, path, "H5Dget_space");
   const int rank = H5Sget_simple_extent_ndims(s);
@@ -596,8 +596,9 @@ void VlenBudget::check_string(const char* s, const std::string& object, std::siz
   const std::size_t len = strnlen(s, size);
   if (len + 1 != size) {
     c_.fail(ErrorKind::kCorrupt, object,
-            "string " + std::to_string(index) + ": stored length " + std::to_string(size - 1) +
-                " bytes, but the string has " + std::to_string(len) + " (corrupt string length)");
+            (object.rfind("/profile", 0) == 0 ? "row " : "string ") + std::to_string(index) +
+                ": stored length " + std::to_string(size - 1) + " bytes, but the string has " +
+                std::to_string(len) + " (corrupt string length)");
   }
 }
 
@@ -605,7 +606,10 @@ namespace {
 // For a contiguous variable-length string dataset, reads the stored lengths (the first 4 bytes,
 // little-endian, of each element: length, then the global heap id) straight from the file and
 // checks them before HDF5 allocates a buffer of each length.
-void prescan_vlen_lengths(const Ctx& c, hid_t d, const std::string& path, hsize_t n) {
+// `offsets` are the byte offsets of the variable-length strings inside one stored element of
+// `elem` bytes (0: the element is one string and its size is the stored bytes / n).
+void prescan_vlen_lengths(const Ctx& c, hid_t d, const std::string& path, hsize_t n,
+                          const std::vector<std::size_t>& offsets, std::uint64_t elem) {
   Handle dcpl = c.check_id(H5Dget_create_plist(d), H5Pclose, path, "H5Dget_create_plist");
   if (H5Pget_layout(dcpl) != H5D_CONTIGUOUS || H5Pget_external_count(dcpl) > 0) return;
   const haddr_t off = H5Dget_offset(d);
@@ -619,11 +623,21 @@ void prescan_vlen_lengths(const Ctx& c, hid_t d, const std::string& path, hsize_
     Handle f = c.check_id(H5Iget_file_id(d), H5Fclose, path, "H5Iget_file_id");
     c.check(H5Fget_filesize(f, &file_size), path, "H5Fget_filesize");
   }
-  if (stored % n != 0 || stored / n < 12 || stored / n > 64 || off > file_size || stored > file_size - off) {
+  if (off > file_size || stored > file_size - off) {
     c.fail(ErrorKind::kCorrupt, path,
-           "stores " + std::to_string(stored) + " bytes at offset " + std::to_string(off) + " for " +
-               std::to_string(n) + " variable-length strings in a file of " + std::to_string(file_size) +
-               " bytes");
+           "stores " + std::to_string(stored) + " bytes at offset " + std::to_string(off) + " in a file of " +
+               std::to_string(file_size) + " bytes");
+  }
+  const bool rows = elem != 0;  // compound rows, not a string dataset
+  if (elem == 0) {
+    if (stored % n != 0 || stored / n < 12 || stored / n > 64) {
+      c.fail(ErrorKind::kCorrupt, path,
+             "stores " + std::to_string(stored) + " bytes for " + std::to_string(n) +
+                 " variable-length strings");
+    }
+    elem = stored / n;
+  } else if (stored != n * elem) {
+    return;  // a layout this scan does not know: the allocation budget still applies
   }
   std::vector<unsigned char> raw(stored);
   std::FILE* fp = std::fopen(c.file.c_str(), "rb");
@@ -632,18 +646,20 @@ void prescan_vlen_lengths(const Ctx& c, hid_t d, const std::string& path, hsize_
       fseeko(fp, static_cast<off_t>(off), SEEK_SET) == 0 && std::fread(raw.data(), 1, stored, fp) == stored;
   std::fclose(fp);
   if (!ok) return;
-  const std::uint64_t elem = stored / n;
   std::uint64_t total = 0;
   for (hsize_t i = 0; i < n; ++i) {
-    const unsigned char* e = raw.data() + i * elem;
-    const std::uint64_t len = std::uint64_t{e[0]} | std::uint64_t{e[1]} << 8 | std::uint64_t{e[2]} << 16 |
-                              std::uint64_t{e[3]} << 24;
-    if (len > file_size) {
-      c.fail(ErrorKind::kCorrupt, path,
-             "string " + std::to_string(i) + ": stored length " + std::to_string(len) +
-                 " bytes, more than the file's " + std::to_string(file_size) + " (corrupt string length)");
+    for (const std::size_t o : offsets) {
+      const unsigned char* e = raw.data() + i * elem + o;
+      const std::uint64_t len = std::uint64_t{e[0]} | std::uint64_t{e[1]} << 8 | std::uint64_t{e[2]} << 16 |
+                                std::uint64_t{e[3]} << 24;
+      if (len > file_size) {
+        c.fail(ErrorKind::kCorrupt, path,
+               (rows ? "row " : "string ") + std::to_string(i) + ": stored string length " +
+                   std::to_string(len) + " bytes, more than the file's " + std::to_string(file_size) +
+                   " (corrupt string length)");
+      }
+      total += len;
     }
-    total += len;
   }
   if (total > limits::kMaxStringBytes) {
     c.fail(ErrorKind::kValue, path,
@@ -666,7 +682,7 @@ std::vector<std::string> read_strings(const Ctx& c, hid_t file, const std::strin
   if (n == 0) return out;
   if (H5Tis_variable_str(ft) > 0) {
     check_storage(c, d, path, n * 16);  // 16 bytes per element on disk: length + global heap id
-    prescan_vlen_lengths(c, d, path, n);
+    prescan_vlen_lengths(c, d, path, n, {0}, 0);
     Handle mt = c.check_id(H5Tcopy(H5T_C_S1), H5Tclose, path, "H5Tcopy");
     H5Tset_size(mt, H5T_VARIABLE);
     H5Tset_cset(mt, cset);
@@ -709,6 +725,38 @@ std::vector<std::string> read_strings(const Ctx& c, hid_t file, const std::strin
     for (hsize_t i = 0; i < n; ++i) out[i] = std::string(buf.data() + i * w, strnlen(buf.data() + i * w, w));
   }
   return out;
+}
+
+void prescan_compound_strings(const Ctx& c, hid_t d, const std::string& path, hsize_t n) {
+  if (n == 0) return;
+  Handle ft = c.check_id(H5Dget_type(d), H5Tclose, path, "H5Dget_type");
+  if (H5Tget_class(ft) != H5T_COMPOUND) return;
+  // H5Dget_type describes the element in memory (a string is a char*); on disk a variable-length
+  // string is 16 bytes (length, heap address, index), and later members shift by the difference.
+  struct Member {
+    std::size_t offset, size;
+    bool vstr;
+  };
+  std::vector<Member> members;
+  const int nm = H5Tget_nmembers(ft);
+  for (int i = 0; i < nm; ++i) {
+    Handle mt =
+        c.check_id(H5Tget_member_type(ft, static_cast<unsigned>(i)), H5Tclose, path, "H5Tget_member_type");
+    const bool vstr = H5Tget_class(mt) == H5T_STRING && H5Tis_variable_str(mt) > 0;
+    if (H5Tget_class(mt) == H5T_VLEN || H5Tget_class(mt) == H5T_COMPOUND) return;  // not scanned
+    members.push_back({H5Tget_member_offset(ft, static_cast<unsigned>(i)), H5Tget_size(mt), vstr});
+  }
+  std::sort(members.begin(), members.end(),
+            [](const Member& a, const Member& b) { return a.offset < b.offset; });
+  std::vector<std::size_t> offsets;
+  std::size_t shift = 0;
+  for (const Member& m : members) {
+    if (!m.vstr) continue;
+    offsets.push_back(m.offset + shift);
+    shift += 16 - m.size;
+  }
+  if (offsets.empty()) return;
+  prescan_vlen_lengths(c, d, path, n, offsets, H5Tget_size(ft) + shift);
 }
 
 namespace {

@@ -117,6 +117,11 @@ std::vector<float> read_f32(const Ctx& c, hid_t file, const std::string& path,
 // stored length that disagrees with the string read is an error.
 std::vector<std::string> read_strings(const Ctx& c, hid_t file, const std::string& path, hsize_t n);
 
+// For a contiguous compound dataset of n rows with variable-length string members (the /profile
+// tables): reads each stored string length from the file and checks it against the file size and
+// all of them against limits::kMaxStringBytes, before HDF5 allocates buffers of those lengths.
+void prescan_compound_strings(const Ctx& c, hid_t d, const std::string& path, hsize_t n);
+
 // A dataset-transfer property list whose variable-length allocations are bounded: more than
 // `budget` bytes in all fails the read. Strings allocated through it are freed by free_string(),
 // and checked by check_string() (the stored length must equal the string's length).

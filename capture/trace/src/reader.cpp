@@ -1,11 +1,11 @@
 #include "kvscope/trace/reader.hpp"
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <map>
 #include <set>
 
 #include "h5.hpp"
@@ -177,18 +177,34 @@ struct TraceReader::Impl {
     auto cell = [&](std::size_t i) {
       return "(" + std::to_string(tokens.grid_row[i]) + ", " + std::to_string(tokens.grid_col[i]) + ")";
     };
+    auto key = [&](std::size_t i) {
+      return static_cast<std::uint64_t>(static_cast<std::uint32_t>(tokens.grid_row[i])) << 32 |
+             static_cast<std::uint32_t>(tokens.grid_col[i]);
+    };
     std::set<std::int32_t> done_segments;
-    std::set<std::pair<std::int32_t, std::int32_t>> cells;
+    std::vector<std::uint64_t> cells;  // of the current run; sorted at its end (8 bytes per token)
     std::size_t run_start = 0;
-    bool in_run = false, has_origin = false;
+    bool in_run = false;
     auto end_run = [&](std::size_t end) {
-      if (in_run && !has_origin) {
+      if (!in_run) return;
+      in_run = false;
+      std::sort(cells.begin(), cells.end());
+      const auto dup = std::adjacent_find(cells.begin(), cells.end());
+      if (dup != cells.end()) {
+        std::size_t second = run_start, seen = 0;
+        for (std::size_t i = run_start; i < end; ++i) {
+          if (key(i) == *dup && ++seen == 2) second = i;
+        }
+        ctx.fail(ErrorKind::kValue, obj,
+                 "duplicate grid cell " + cell(second) + " at token " + std::to_string(second) +
+                     " in the image of segment " + std::to_string(tokens.segment[run_start]));
+      }
+      if (cells.front() != 0) {  // (0, 0) sorts first
         ctx.fail(ErrorKind::kValue, obj,
                  "image of segment " + std::to_string(tokens.segment[run_start]) + " (tokens " +
                      std::to_string(run_start) + ".." + std::to_string(end - 1) +
                      ") has no cell (0, 0): one image split over two segments?");
       }
-      in_run = false;
     };
     for (std::size_t i = 0; i < T; ++i) {
       const bool vision = tokens.modality[i] == static_cast<std::uint8_t>(kernels::Modality::kVision);
@@ -216,15 +232,9 @@ struct TraceReader::Impl {
         }
         in_run = true;
         run_start = i;
-        has_origin = false;
         cells.clear();
       }
-      if (!cells.insert({tokens.grid_row[i], tokens.grid_col[i]}).second) {
-        ctx.fail(ErrorKind::kValue, obj,
-                 "duplicate grid cell " + cell(i) + " at token " + std::to_string(i) +
-                     " in the image of segment " + std::to_string(tokens.segment[i]));
-      }
-      if (tokens.grid_row[i] == 0 && tokens.grid_col[i] == 0) has_origin = true;
+      cells.push_back(key(i));
     }
     end_run(T);
   }
@@ -491,6 +501,7 @@ Profile TraceReader::read_profile() const {
     if (H5Tget_class(ft) != H5T_COMPOUND) c.fail(ErrorKind::kDType, path, "must be a compound dataset");
     h5::check_alloc(c, path, shape[0], sizeof(rows[0]) + record_bytes);
     h5::check_storage(c, d, path, shape[0] * H5Tget_size(ft));
+    h5::prescan_compound_strings(c, d, path, shape[0]);
     rows.resize(shape[0]);
     std::memset(static_cast<void*>(rows.data()), 0, rows.size() * sizeof(rows[0]));
     h5::VlenBudget budget(c, path, limits::kMaxStringBytes);

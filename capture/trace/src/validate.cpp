@@ -46,11 +46,12 @@ ValidationReport validate_trace(const std::string& path,
       return r;
     }
     r.ok = true;
-    r.message = path + ": valid kvscope trace v" + std::to_string(reader.header().version_major) + "." +
-                std::to_string(reader.header().version_minor) + " (" + std::to_string(r.num_layers) + " layers, " +
-                std::to_string(r.num_tokens) + " tokens, " + std::to_string(r.num_decode_steps) + " decode steps, " +
-                kernels::dtype_name(reader.header().dtype) + (reader.header().synthetic ? ", synthetic)" : ")") +
-                (r.num_decode_steps == 0 ? "; not replayable: no decode steps (kvsim run/sweep need S >= 1)" : "");
+    r.message =
+        path + ": valid kvscope trace v" + std::to_string(reader.header().version_major) + "." +
+        std::to_string(reader.header().version_minor) + " (" + std::to_string(r.num_layers) + " layers, " +
+        std::to_string(r.num_tokens) + " tokens, " + std::to_string(r.num_decode_steps) + " decode steps, " +
+        kernels::dtype_name(reader.header().dtype) + (reader.header().synthetic ? ", synthetic)" : ")") +
+        (r.num_decode_steps == 0 ? "; not replayable: no decode steps (kvsim run/sweep need S >= 1)" : "");
   } catch (const TraceError& e) {
     r.ok = false;
     r.kind = e.kind();

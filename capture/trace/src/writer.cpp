@@ -7,6 +7,7 @@
 #include <ctime>
 
 #include "h5.hpp"
+#include "kvscope/trace/limits.hpp"
 
 namespace kvscope::trace {
 
@@ -113,6 +114,17 @@ TraceWriter::TraceWriter(const std::string& path, const TraceHeader& header, std
   }
   if (g.num_q_heads % g.num_kv_heads != 0) {
     m.ctx.fail(ErrorKind::kUsage, "", "num_q_heads must be a multiple of num_kv_heads");
+  }
+  // What the reader would refuse is refused before the file is created (limits.hpp).
+  if (g.num_layers > limits::kMaxLayers || g.num_q_heads > limits::kMaxHeads ||
+      g.head_dim > limits::kMaxHeadDim || context_tokens > limits::kMaxTokens ||
+      num_decode_steps > limits::kMaxDecodeSteps) {
+    m.ctx.fail(ErrorKind::kUsage, "",
+               "geometry over the trace format's limits (layers <= 1024, heads <= 1024, head_dim <= 4096, "
+               "tokens <= 16777216, decode steps <= 1048576)");
+  }
+  if (!(std::isfinite(g.rope_theta) && g.rope_theta > 0)) {
+    m.ctx.fail(ErrorKind::kUsage, "", "rope_theta must be a finite number > 0");
   }
   if (options.chunk_tokens <= 0 || options.deflate_level < 0 || options.deflate_level > 9) {
     m.ctx.fail(ErrorKind::kUsage, "", "chunk_tokens must be > 0 and deflate_level in 0..9");

@@ -36,6 +36,9 @@ struct SweepPoint {
 };
 
 // "0.1:0.9:0.1,512tok,64MiB" -> budgets (ranges inclusive, rounded to 1e-9).
+// Most budgets a list may expand to, and most points policies x budgets may make (a replay each;
+// the cap keeps a typo such as 0.1:0.9:1e-7, 8 million points, from allocating gigabytes).
+inline constexpr std::size_t kMaxSweepPoints = 10000;
 std::vector<Budget> parse_budget_list(const std::string& text);
 
 // Expands policies x budgets; policies that do not compress tokens (full, int8, ...)

@@ -42,4 +42,11 @@ void use_fast_blas_core(char** argv);
 // tool that allocates and frees a layer's tensors per layer keeps the freed space resident
 // (about 10 MB in kvsim sweep on llava-1.5-7b, docs/perf.md).
 void release_large_blocks_promptly();
+
+// Largest value a --threads flag accepts: 4 x the hardware threads (std::thread::hardware_concurrency,
+// 1 if unknown), at most 1024. More threads only oversubscribe the cores, and each costs a stack:
+// 10,000 take gigabytes and 65,536 crash inside libgomp.
+int max_threads();
+// "" when 0 <= n <= max_threads(), else the one-line reason ("--threads 65536 is more than ...").
+std::string check_threads(long long n);
 }  // namespace kvscope::cli
