@@ -142,10 +142,14 @@ void write_all(int fd, const std::string& data) {
   if (null_fd >= 0) {
     dup2(null_fd, STDIN_FILENO);
     dup2(null_fd, STDOUT_FILENO);
-    // glibc's own abort messages ("free(): invalid size") would be a second line on the tool's
-    // stderr. Sanitizer builds keep stderr: their reports are the point of those builds.
-    if (!KVSCOPE_UNDER_ASAN) dup2(null_fd, STDERR_FILENO);
+    // glibc's own abort messages ("free(): invalid size") or a sanitizer's report would be more
+    // lines on the tool's stderr; KVSCOPE_ISOLATED_STDERR=1 keeps them (debugging).
+    const char* keep = std::getenv("KVSCOPE_ISOLATED_STDERR");
+    if (!(keep && std::strcmp(keep, "1") == 0)) dup2(null_fd, STDERR_FILENO);
   }
+  // A crash is a plain signal to the parent, whatever handlers the caller (or a sanitizer
+  // runtime, which would turn it into exit status 1) installed.
+  for (const int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) signal(sig, SIG_DFL);
   const rlimit no_core{0, 0};
   setrlimit(RLIMIT_CORE, &no_core);
   if (!KVSCOPE_UNDER_ASAN) {
@@ -247,9 +251,9 @@ std::string run_isolated_payload(const std::string& path, const std::function<st
 
   using clock = std::chrono::steady_clock;
   std::string data;
-  std::uint64_t seen_objects = 0, seen_done = ~0ull;
+  std::uint64_t seen_objects = 0, seen_done = 0;
   auto last_start = clock::now();
-  bool timed_out = false, over_memory = false;
+  bool timed_out = false, over_memory = false, eof = false;
   char buf[4096];
   while (true) {
     const double since = std::chrono::duration<double>(clock::now() - last_start).count();
@@ -264,7 +268,10 @@ std::string run_isolated_payload(const std::string& path, const std::function<st
     if (r < 0 && errno != EINTR) break;
     if (r > 0) {
       const ssize_t n = ::read(fds[0], buf, sizeof buf);
-      if (n == 0) break;  // the child closed its end: it exited (or died)
+      if (n == 0) {  // the child closed its end: it exited (or died)
+        eof = true;
+        break;
+      }
       if (n > 0) data.append(buf, static_cast<std::size_t>(n));
       if (n < 0 && errno != EINTR && errno != EAGAIN) break;
     }
@@ -287,7 +294,7 @@ std::string run_isolated_payload(const std::string& path, const std::function<st
     }
   }
   ::close(fds[0]);
-  if (timed_out || over_memory) kill(pid, SIGKILL);
+  if (!eof) kill(pid, SIGKILL);  // timed out, over memory, or the pipe failed: never wait on it
   int status = 0;
   pid_t w;
   do {

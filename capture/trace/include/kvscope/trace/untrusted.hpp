@@ -37,7 +37,8 @@ void require_regular_file(const std::string& path);
 
 // Runs `check` in a forked child process and returns when it succeeded; rethrows its TraceError
 // (kind, object, message) in the caller. The child has stdin/stdout/stderr on /dev/null (stderr
-// kept in sanitizer builds, for their reports), no core dumps, dies with its parent, silences the
+// kept with KVSCOPE_ISOLATED_STDERR=1), default crash signal handlers (so a sanitizer runtime does
+// not turn a crash into an exit status), no core dumps, dies with its parent, silences the
 // HDF5 error stack, and _exit()s without destructors or atexit handlers (HDF5's atexit close can
 // itself crash on a corrupt file). A signal, a timeout, or the memory limit becomes a
 // TraceError(kCorrupt) naming `path` and the object the child was reading, e.g.
