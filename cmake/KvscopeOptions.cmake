@@ -11,6 +11,17 @@ if(KVSCOPE_NATIVE_ARCH)
   add_compile_options($<$<COMPILE_LANGUAGE:CXX>:-march=native>)
 endif()
 
+# libFuzzer build (tests/fuzz, docs/robustness.md): clang only; every library is instrumented for
+# coverage and built with the sanitizers, the fuzz target links libFuzzer's main.
+option(KVSCOPE_FUZZ "Build the libFuzzer target fuzz_readers (clang; implies KVSCOPE_SANITIZE)" OFF)
+if(KVSCOPE_FUZZ)
+  if(NOT CMAKE_CXX_COMPILER_ID STREQUAL "Clang")
+    message(FATAL_ERROR "KVSCOPE_FUZZ needs clang (configure with -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_C_COMPILER=clang)")
+  endif()
+  set(KVSCOPE_SANITIZE ON)
+  add_compile_options($<$<COMPILE_LANGUAGE:C,CXX>:-fsanitize=fuzzer-no-link>)
+endif()
+
 if(KVSCOPE_SANITIZE)
   add_compile_options($<$<COMPILE_LANGUAGE:C,CXX>:-fsanitize=address,undefined>
                       $<$<COMPILE_LANGUAGE:C,CXX>:-fno-omit-frame-pointer>
