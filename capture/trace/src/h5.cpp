@@ -570,6 +570,10 @@ namespace {
 constexpr std::size_t kVlenHeader = 16;
 }
 
+VlenBudget::~VlenBudget() {
+  for (void* block : live_) std::free(block);
+}
+
 void* VlenBudget::alloc(std::size_t size, void* info) {
   auto* self = static_cast<VlenBudget*>(info);
   if (size > self->budget_ - std::min(self->budget_, self->used_)) {
@@ -578,15 +582,17 @@ void* VlenBudget::alloc(std::size_t size, void* info) {
   }
   auto* p = static_cast<unsigned char*>(std::malloc(size + kVlenHeader));
   if (!p) return nullptr;
+  self->live_.insert(p);
   self->used_ += size;
   std::memcpy(p, &size, sizeof size);
   return p + kVlenHeader;
 }
 
-void VlenBudget::release(void* p, void*) { free_string(static_cast<char*>(p)); }
-
-void VlenBudget::free_string(char* s) {
-  if (s) std::free(reinterpret_cast<unsigned char*>(s) - kVlenHeader);
+void VlenBudget::release(void* p, void* info) {
+  if (!p) return;
+  void* block = static_cast<unsigned char*>(p) - kVlenHeader;
+  static_cast<VlenBudget*>(info)->live_.erase(block);
+  std::free(block);
 }
 
 void VlenBudget::fail_read(herr_t status) const {
@@ -699,23 +705,11 @@ std::vector<std::string> read_strings(const Ctx& c, hid_t file, const std::strin
     VlenBudget budget(c, path, limits::kMaxStringBytes);
     std::vector<char*> ptrs(n, nullptr);
     const herr_t st = H5Dread(d, mt, H5S_ALL, H5S_ALL, budget.dxpl(), ptrs.data());
-    auto reclaim = [&] {
-      for (char* p : ptrs) VlenBudget::free_string(p);
-    };
-    if (st < 0) {
-      reclaim();
-      budget.fail_read(st);
+    if (st < 0) budget.fail_read(st);
+    for (hsize_t i = 0; i < n; ++i) {
+      budget.check_string(ptrs[i], path, i);
+      out[i] = ptrs[i] ? ptrs[i] : "";
     }
-    try {
-      for (hsize_t i = 0; i < n; ++i) {
-        budget.check_string(ptrs[i], path, i);
-        out[i] = ptrs[i] ? ptrs[i] : "";
-      }
-    } catch (...) {
-      reclaim();
-      throw;
-    }
-    reclaim();
   } else {
     const std::size_t w = H5Tget_size(ft);
     check_alloc(c, path, n, w);

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "kvscope/trace/error.hpp"
@@ -123,18 +124,22 @@ std::vector<std::string> read_strings(const Ctx& c, hid_t file, const std::strin
 void prescan_compound_strings(const Ctx& c, hid_t d, const std::string& path, hsize_t n);
 
 // A dataset-transfer property list whose variable-length allocations are bounded: more than
-// `budget` bytes in all fails the read. Strings allocated through it are freed by free_string(),
-// and checked by check_string() (the stored length must equal the string's length).
+// `budget` bytes in all fails the read. The budget owns every string HDF5 allocates through it:
+// they stay valid until the budget is destroyed, which frees them all, also those of a read that
+// failed half-way (HDF5 then keeps them in its conversion buffer, out of the caller's reach).
+// check_string() checks one (the stored length must equal the string's length).
 class VlenBudget {
  public:
   VlenBudget(const Ctx& c, const std::string& path, std::uint64_t budget);
+  ~VlenBudget();
+  VlenBudget(const VlenBudget&) = delete;
+  VlenBudget& operator=(const VlenBudget&) = delete;
   hid_t dxpl() const { return dxpl_; }
   // Throws when `s` (allocated by this budget) holds fewer bytes than its stored length said.
   void check_string(const char* s, const std::string& object, std::size_t index) const;
-  // After a failed H5Dread through dxpl() (status < 0; the caller has freed what it got): throws
-  // kValue when the budget ran out, else kCorrupt with HDF5's message.
+  // After a failed H5Dread through dxpl() (status < 0): throws kValue when the budget ran out,
+  // else kCorrupt with HDF5's message.
   [[noreturn]] void fail_read(herr_t status) const;
-  static void free_string(char* s);
 
  private:
   static void* alloc(std::size_t size, void* info);
@@ -144,6 +149,7 @@ class VlenBudget {
   Handle dxpl_;
   std::uint64_t budget_, used_ = 0;
   bool exhausted_ = false;
+  std::unordered_set<void*> live_;  // blocks allocated and not released by HDF5
 };
 
 // Reads the hyperslab [start, start+count) of a tensor dataset as raw elements of `dtype`.

@@ -478,8 +478,9 @@ Profile TraceReader::read_profile() const {
   Profile p;
   // Members are matched by name, so files with fewer members or another order still read. Their
   // strings are allocated through a budget and checked against their stored lengths.
+  // The rows' strings belong to `budget` (valid until it is destroyed, freed with it).
   auto read_compound = [&](const char* path, hid_t mtype, auto& rows, std::size_t record_bytes,
-                           const auto& strings_of) {
+                           const auto& strings_of, std::optional<h5::VlenBudget>& budget) {
     if (!m.exists(path)) return;
     const auto shape = h5::dataset_shape(c, m.file, path);
     if (shape.size() != 1) c.fail(ErrorKind::kShape, path, "must be 1-D");
@@ -497,34 +498,18 @@ Profile TraceReader::read_profile() const {
     h5::prescan_compound_strings(c, d, path, shape[0]);
     rows.resize(shape[0]);
     std::memset(static_cast<void*>(rows.data()), 0, rows.size() * sizeof(rows[0]));
-    h5::VlenBudget budget(c, path, limits::kMaxStringBytes);
-    const herr_t st = H5Dread(d, mtype, H5S_ALL, H5S_ALL, budget.dxpl(), rows.data());
-    auto reclaim = [&] {
-      for (auto& r : rows) {
-        for (char** s : strings_of(r)) {
-          h5::VlenBudget::free_string(*s);
-          *s = nullptr;
-        }
-      }
-    };
-    if (st < 0) {
-      reclaim();
-      rows.clear();
-      budget.fail_read(st);
-    }
-    try {
-      for (std::size_t i = 0; i < rows.size(); ++i) {
-        for (char** s : strings_of(rows[i])) budget.check_string(*s, path, i);
-      }
-    } catch (...) {
-      reclaim();
-      throw;
+    budget.emplace(c, path, limits::kMaxStringBytes);
+    const herr_t st = H5Dread(d, mtype, H5S_ALL, H5S_ALL, budget->dxpl(), rows.data());
+    if (st < 0) budget->fail_read(st);
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      for (char** s : strings_of(rows[i])) budget->check_string(*s, path, i);
     }
   };
   Handle kt = h5::kernel_row_type(c);
   std::vector<h5::KernelRow> krows;
   auto kernel_strings = [](h5::KernelRow& r) { return std::array<char**, 2>{&r.name, &r.kind}; };
-  read_compound("/profile/kernels", kt, krows, sizeof(KernelRecord), kernel_strings);
+  std::optional<h5::VlenBudget> kernel_budget, range_budget;
+  read_compound("/profile/kernels", kt, krows, sizeof(KernelRecord), kernel_strings, kernel_budget);
   p.kernels.reserve(krows.size());
   for (auto& r : krows) {
     KernelRecord k;
@@ -540,17 +525,14 @@ Profile TraceReader::read_profile() const {
       k.block[i] = r.block[i];
     }
     p.kernels.push_back(std::move(k));
-    h5::VlenBudget::free_string(r.name);
-    h5::VlenBudget::free_string(r.kind);
   }
   Handle rt = h5::range_row_type(c);
   std::vector<h5::RangeRow> rrows;
   auto range_strings = [](h5::RangeRow& r) { return std::array<char**, 1>{&r.name}; };
-  read_compound("/profile/ranges", rt, rrows, sizeof(RangeRecord), range_strings);
+  read_compound("/profile/ranges", rt, rrows, sizeof(RangeRecord), range_strings, range_budget);
   p.ranges.reserve(rrows.size());
   for (auto& r : rrows) {
     p.ranges.push_back(RangeRecord{r.name ? r.name : "", r.start_ns, r.end_ns, r.depth, r.thread});
-    h5::VlenBudget::free_string(r.name);
   }
   return p;
 }
