@@ -66,42 +66,44 @@ Handle Ctx::check_id(hid_t id, Handle::Closer closer, const std::string& object,
   return Handle(id, closer);
 }
 
-bool exists(hid_t loc, const std::string& path) {
-  begin_read(path);
-  // H5Lexists needs every intermediate component to exist: walk them.
+namespace {
+// H5Lexists needs every intermediate component to exist: walks them. Returns 1 when all exist, 0
+// when one is missing, and the H5Lexists status (< 0) when HDF5 failed on one, with its prefix in
+// `failed`.
+htri_t links_exist(hid_t loc, const std::string& path, std::string& failed) {
   std::size_t pos = 0;
   while (true) {
-    std::size_t next = path.find('/', pos + 1);
+    const std::size_t next = path.find('/', pos + 1);
     const std::string prefix = path.substr(0, next);
     if (!prefix.empty() && prefix != "/") {
-      if (H5Lexists(loc, prefix.c_str(), H5P_DEFAULT) <= 0) {
-        H5Eclear2(H5E_DEFAULT);
-        return false;
-      }
+      const htri_t r = H5Lexists(loc, prefix.c_str(), H5P_DEFAULT);
+      if (r < 0) failed = prefix;
+      if (r <= 0) return r;
     }
-    if (next == std::string::npos) return true;
+    if (next == std::string::npos) return 1;
     pos = next;
   }
+}
+}  // namespace
+
+bool exists(hid_t loc, const std::string& path) {
+  begin_read(path);
+  std::string failed;
+  const htri_t r = links_exist(loc, path, failed);
+  if (r < 0) H5Eclear2(H5E_DEFAULT);
+  return r > 0;
 }
 
 bool exists(const Ctx& c, hid_t loc, const std::string& path) {
   begin_read(path);
-  std::size_t pos = 0;
-  while (true) {
-    std::size_t next = path.find('/', pos + 1);
-    const std::string prefix = path.substr(0, next);
-    if (!prefix.empty() && prefix != "/") {
-      const htri_t r = H5Lexists(loc, prefix.c_str(), H5P_DEFAULT);
-      if (r < 0) {
-        const std::string m = last_error_message();
-        c.fail(ErrorKind::kCorrupt, prefix,
-               "cannot be read (corrupt group or link" + (m.empty() ? std::string(")") : ": " + m + ")"));
-      }
-      if (r == 0) return false;
-    }
-    if (next == std::string::npos) return true;
-    pos = next;
+  std::string failed;
+  const htri_t r = links_exist(loc, path, failed);
+  if (r < 0) {
+    const std::string m = last_error_message();
+    c.fail(ErrorKind::kCorrupt, failed,
+           "cannot be read (corrupt group or link" + (m.empty() ? std::string(")") : ": " + m + ")"));
   }
+  return r > 0;
 }
 
 bool attr_exists(hid_t obj, const std::string& name) {
