@@ -191,6 +191,9 @@ inline std::vector<BadCase> bad_cases() {
                                                                          : "three"),
                  "is not MAJOR.MINOR", edit([v](hid_t f) { set_string_attr(f, "version", v); })});
   }
+  // Control characters from the file are escaped in the message, which stays one line (a fuzzer find).
+  c.push_back({"version_newlines", "'\\n\\n\\x01' is not MAJOR.MINOR",
+               edit([](hid_t f) { set_string_attr(f, "version", "\n\n\x01"); })});
   c.push_back({"rope_theta_inf", "/@rope_theta: must be a finite number > 0", edit([](hid_t f) {
                  set_f64_attr(f, "rope_theta", std::numeric_limits<double>::infinity());
                })});

@@ -8,6 +8,7 @@
 
 #include "kvscope/sim/report.hpp"
 #include "kvscope/sim/results.hpp"
+#include "kvscope/trace/error.hpp"
 
 namespace kvscope::sim {
 
@@ -15,7 +16,8 @@ namespace kvscope::sim {
 class ResultsReadError : public std::runtime_error {
  public:
   ResultsReadError(std::string file, std::string object, const std::string& message)
-      : std::runtime_error(object.empty() ? file + ": " + message : file + ": " + object + ": " + message),
+      : std::runtime_error(
+            trace::one_line(object.empty() ? file + ": " + message : file + ": " + object + ": " + message)),
         file_(std::move(file)),
         object_(std::move(object)) {}
   const std::string& file() const { return file_; }

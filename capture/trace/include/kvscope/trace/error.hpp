@@ -23,6 +23,31 @@ enum class ErrorKind {
 
 const char* error_kind_name(ErrorKind k);
 
+// `text` with control characters escaped (\n, \r, \t, \xNN), so that a string read from a file
+// (or a file name) keeps an error message on one line.
+inline std::string one_line(const std::string& text) {
+  std::string out;
+  out.reserve(text.size());
+  for (const char ch : text) {
+    const auto u = static_cast<unsigned char>(ch);
+    if (u >= 0x20 && u != 0x7f) {
+      out += ch;
+    } else if (ch == '\n') {
+      out += "\\n";
+    } else if (ch == '\r') {
+      out += "\\r";
+    } else if (ch == '\t') {
+      out += "\\t";
+    } else {
+      static const char* hex = "0123456789abcdef";
+      out += "\\x";
+      out += hex[u >> 4];
+      out += hex[u & 15];
+    }
+  }
+  return out;
+}
+
 class TraceError : public std::runtime_error {
  public:
   TraceError(ErrorKind kind, std::string file, std::string object, const std::string& message)
@@ -35,7 +60,7 @@ class TraceError : public std::runtime_error {
 
  private:
   static std::string compose(const std::string& file, const std::string& object, const std::string& msg) {
-    return object.empty() ? file + ": " + msg : file + ": " + object + ": " + msg;
+    return one_line(object.empty() ? file + ": " + msg : file + ": " + object + ": " + msg);
   }
   ErrorKind kind_;
   std::string file_;
