@@ -89,13 +89,15 @@ LayerData::LayerData(int layer, trace::LayerTensors prefill, trace::LayerTensors
     }
   }
   if (worst > limit) {
-    char msg[512];
-    std::snprintf(msg, sizeof msg,
-                  "%s: %s: |x| up to %.3g is outside the range kvsim computes metrics in (max |x| <= %.3g for "
+    // The numbers formatted apart: the file's path, of any length, goes into the string whole.
+    char detail[384];
+    std::snprintf(detail, sizeof detail,
+                  "|x| up to %.3g is outside the range kvsim computes metrics in (max |x| <= %.3g for "
                   "%d tokens x head_dim %d: tokens x head_dim x max|x|^2 <= 2^124, so that attention logits, "
                   "norms and sums stay finite in float32); values this large are not a model's KV cache",
-                  ctx_.source.empty() ? "kv cache" : ctx_.source.c_str(), where.c_str(), worst, limit, tokens, D);
-    throw std::runtime_error(msg);
+                  worst, limit, tokens, D);
+    throw std::runtime_error((ctx_.source.empty() ? std::string("kv cache") : ctx_.source) + ": " + where + ": " +
+                             detail);
   }
 }
 
