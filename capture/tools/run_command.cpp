@@ -57,7 +57,7 @@ kvscope_tensor to_c(const runner::TensorRef& r) {
 // kept and rethrown by the next call (or by finish()).
 class CaptureObserver final : public runner::RunObserver {
  public:
-  CaptureObserver(kvscope_capture* c, const runner::Vocabulary& vocab) : c_(c), vocab_(vocab) {}
+  CaptureObserver(kvscope_capture* c, const runner::Tokenizer& tokenizer) : c_(c), tokenizer_(tokenizer) {}
   void on_prefill_layer(int layer, const runner::TensorRef& q, const runner::TensorRef& k,
                         const runner::TensorRef& v) override {
     rethrow();
@@ -72,7 +72,7 @@ class CaptureObserver final : public runner::RunObserver {
   }
   void on_decode_token(int step, std::int32_t token_id, std::int32_t position) override {
     rethrow();
-    check(kvscope_capture_decode_token(c_, step, token_id, position, vocab_.text(token_id).c_str()),
+    check(kvscope_capture_decode_token(c_, step, token_id, position, tokenizer_.text(token_id).c_str()),
           "recording a decode token");
   }
   void range_push(const char* name) override {
@@ -90,7 +90,7 @@ class CaptureObserver final : public runner::RunObserver {
 
  private:
   kvscope_capture* c_;
-  const runner::Vocabulary& vocab_;
+  const runner::Tokenizer& tokenizer_;
   std::string error_;
 };
 
@@ -263,7 +263,7 @@ int run_command(const std::vector<std::string>& args) {
     check(kvscope_capture_set_tokens(cap, modality.data(), position.data(), token_id.data(), segment.data(),
                                      grid_row.data(), grid_col.data(), text.data()),
           "setting tokens");
-    CaptureObserver observer(cap, model->vocab());
+    CaptureObserver observer(cap, model->tokenizer());
     runner::GenerateOptions gopt;
     gopt.max_new = max_new;
     gopt.observer = &observer;

@@ -36,10 +36,11 @@ int argmax(const std::vector<float>& v) {
 
 }  // namespace
 
-Model::Model(ModelConfig config, ModelWeights weights, Vocabulary vocab, Device device)
+Model::Model(ModelConfig config, ModelWeights weights, std::shared_ptr<const Tokenizer> tokenizer,
+             Device device)
     : config_(std::move(config)),
       weights_(std::make_shared<const ModelWeights>(std::move(weights))),
-      vocab_(std::move(vocab)),
+      tokenizer_(std::move(tokenizer)),
       device_(device) {
   backend_ =
       device == Device::kCuda ? make_cuda_backend(config_, *weights_) : make_cpu_backend(config_, weights_);
@@ -57,11 +58,12 @@ Model Model::load(const std::string& dir, Device device) {
   }
   SafetensorsFile file((fs::path(dir) / "model.safetensors").string());
   ModelWeights weights = load_weights(file, config);
-  return Model(std::move(config), std::move(weights), std::move(vocab), device);
+  return Model(std::move(config), std::move(weights), std::make_shared<const Vocabulary>(std::move(vocab)),
+               device);
 }
 
 Prompt Model::build_prompt(const std::vector<Image>& images, const std::string& question) const {
-  const std::vector<std::int32_t> words = vocab_.encode(question);  // throws for empty / unknown
+  const std::vector<std::int32_t> words = tokenizer_->encode(question);  // throws for empty / unknown
   const VisionConfig& vc = config_.vision;
   Prompt p;
   p.images = images;
@@ -75,7 +77,7 @@ Prompt Model::build_prompt(const std::vector<Image>& images, const std::string& 
     t.grid_col = col;
     t.position = t.index = static_cast<std::int32_t>(p.tokens.size());
     p.tokens.push_back(t);
-    p.text.push_back(id >= 0 ? vocab_.text(id) : std::string());
+    p.text.push_back(id >= 0 ? tokenizer_->text(id) : std::string());
   };
   push(config_.bos_token_id, 3, 0, -1, -1);
   for (int i = 0; i < n_images; ++i) {
@@ -185,13 +187,13 @@ Generation Model::generate(const Prompt& prompt, const GenerateOptions& options)
   if (options.hook) options.hook->after_prefill(cache, prompt.tokens);
   t0 = Clock::now();
   const int n_images = static_cast<int>(prompt.images.size());
-  std::vector<std::string> words;
+  std::vector<std::int32_t> answer;
   while (static_cast<int>(gen.tokens.size()) < options.max_new) {
     const int next = argmax(logits);
     if (options.keep_logits) gen.logits.push_back(logits);
     gen.tokens.push_back(next);
     if (next == config_.eos_token_id) break;
-    words.push_back(vocab_.text(next));
+    answer.push_back(next);
     const int step = gen.decode_steps;
     TokenInfo tok;
     tok.token_id = next;
@@ -212,7 +214,7 @@ Generation Model::generate(const Prompt& prompt, const GenerateOptions& options)
     if (options.hook) options.hook->after_decode_step(cache, step, tok);
   }
   gen.decode_ms = ms_since(t0);
-  for (std::size_t i = 0; i < words.size(); ++i) gen.text += (i ? " " : "") + words[i];
+  gen.text = tokenizer_->decode(answer);
   return gen;
 }
 

@@ -63,6 +63,17 @@ const std::string& Vocabulary::text(int id) const {
   return tokens_[static_cast<std::size_t>(id)];
 }
 
+std::string Vocabulary::decode(const std::vector<std::int32_t>& ids) const {
+  std::string out;
+  for (std::size_t i = 0; i < ids.size(); ++i) out += (i ? " " : "") + text(ids[i]);
+  return out;
+}
+
+bool Vocabulary::is_special(int id) const {
+  const std::string& w = text(id);
+  return w.size() > 1 && w.front() == '<' && w.back() == '>';
+}
+
 int Vocabulary::id(const std::string& word) const {
   auto it = ids_.find(word);
   return it == ids_.end() ? -1 : it->second;

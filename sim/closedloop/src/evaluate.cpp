@@ -120,7 +120,7 @@ std::vector<Reference> make_references(runner::Model& model, const std::vector<H
     std::vector<runner::Image> images;
     for (std::uint64_t seed : s.image_seeds) images.push_back(runner::render_scene(seed).image);
     r.prompt = model.build_prompt(images, s.question);
-    r.answer_ids = model.vocab().encode(s.answer);
+    r.answer_ids = model.tokenizer().encode(s.answer);
     r.answer_ids.push_back(model.config().eos_token_id);
     r.run = run_sample(model, r.prompt, nullptr, max_new);
     refs.push_back(std::move(r));
@@ -153,7 +153,7 @@ PointStats evaluate_point(runner::Model& model, const EvalPoint& point,
     keep_sum += hook.keep();
     st.warnings += hook.warnings().empty() ? 0 : 1;
     std::string text;
-    for (const std::int32_t t : run.tokens) text += (text.empty() ? "" : " ") + model.vocab().text(t);
+    for (const std::int32_t t : run.tokens) text += (text.empty() ? "" : " ") + model.tokenizer().text(t);
     st.generated.push_back(std::move(text));
     const int fam = samples[i].family;
     ++st.family_samples[static_cast<std::size_t>(fam)];

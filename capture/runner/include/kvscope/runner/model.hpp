@@ -34,7 +34,7 @@ struct GenerateOptions {
 
 struct Generation {
   std::vector<std::int32_t> tokens;  // generated ids, ending with <eos> when it was generated
-  std::string text;                  // answer words joined by spaces, without <eos>
+  std::string text;                  // the tokenizer's decoding of the answer, without <eos>
   int decode_steps = 0;              // tokens fed back (generated tokens except <eos>)
   double prefill_ms = 0, decode_ms = 0;
   std::vector<std::vector<float>> logits;  // [generated][V] when keep_logits
@@ -45,11 +45,11 @@ class Model {
   // Loads config.json, model.safetensors and vocab.json from `dir` and creates the backend.
   // Throws RunnerError (kModel for the directory's files, kCuda for an unusable device).
   static Model load(const std::string& dir, Device device = Device::kCpu);
-  Model(ModelConfig config, ModelWeights weights, Vocabulary vocab, Device device);
+  Model(ModelConfig config, ModelWeights weights, std::shared_ptr<const Tokenizer> tokenizer, Device device);
   Device device() const { return device_; }
 
   const ModelConfig& config() const { return config_; }
-  const Vocabulary& vocab() const { return vocab_; }
+  const Tokenizer& tokenizer() const { return *tokenizer_; }
   const ModelWeights& weights() const { return *weights_; }
   DecoderBackend& backend() { return *backend_; }
 
@@ -68,7 +68,7 @@ class Model {
  private:
   ModelConfig config_;
   std::shared_ptr<const ModelWeights> weights_;
-  Vocabulary vocab_;
+  std::shared_ptr<const Tokenizer> tokenizer_;
   Device device_;
   std::unique_ptr<DecoderBackend> backend_;
 };
