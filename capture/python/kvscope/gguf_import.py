@@ -176,7 +176,6 @@ def convert(path: str, out_dir: str, progress=None) -> dict:
     """Converts `path` into `out_dir`; returns the config written. Raises ImportError_."""
     import numpy as np
     from gguf import GGUFReader
-    from safetensors.numpy import save_file
 
     if not os.path.isfile(path):
         raise ImportError_(f"{path}: no such file")
@@ -238,26 +237,40 @@ def convert(path: str, out_dir: str, progress=None) -> dict:
     missing = sorted(set(names) - set(tensors) - {"output.weight"})
     if missing:
         raise ImportError_(f"missing tensor '{missing[0]}'")
-    out = {}
-    types = {}
-    for i, (g, h) in enumerate(names.items()):
-        if g not in tensors:
-            continue
-        t = tensors[g]
-        arr = _tensor(t)
-        if ".attn_q." in g:
-            arr = unpermute_rope_rows(arr, n_head)
-        elif ".attn_k." in g:
-            arr = unpermute_rope_rows(arr, n_kv)
-        out[h] = np.ascontiguousarray(arr)
-        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
-        if progress:
-            progress(i + 1, len(names))
+    # Tensors are dequantized and written one at a time (memory: the largest tensor, not the model).
+    plan = [(g, h) for g, h in names.items() if g in tensors]
+    header = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for g, h in plan:
+        shape = [int(n) for n in reversed(tensors[g].shape.tolist())]
+        size = 4 * int(np.prod(shape))
+        header[h] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
 
     tmp = out_dir.rstrip("/") + ".partial"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    save_file(out, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    types = {}
+    try:
+        with open(os.path.join(tmp, "model.safetensors"), "wb") as f:
+            f.write(len(blob).to_bytes(8, "little"))
+            f.write(blob)
+            for i, (g, h) in enumerate(plan):
+                t = tensors[g]
+                arr = _tensor(t)
+                if ".attn_q." in g:
+                    arr = unpermute_rope_rows(arr, n_head)
+                elif ".attn_k." in g:
+                    arr = unpermute_rope_rows(arr, n_kv)
+                f.write(np.ascontiguousarray(arr, dtype="<f4").tobytes())
+                types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+                if progress:
+                    progress(i + 1, len(plan))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
     def dump(name, obj):
         with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
