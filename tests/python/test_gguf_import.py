@@ -288,7 +288,7 @@ class ImportedSmolLM2(unittest.TestCase):
                                   do_sample=False)
         self.assertIn("Paris", self.tok.decode(out[0, ids.shape[1]:]))
         ppl = self.perplexity(self.model)
-        self.assertLess(ppl, 30)  # measured 14.2 on these 2,000 characters
+        self.assertLess(ppl, 30)  # measured 16.0 on these 2,000 characters; 305 scrambled
         # The q/k rows as llama.cpp stores them (no un-permute): the model still runs, badly.
         scrambled = copy.deepcopy(self.model)
         with torch.no_grad():
