@@ -347,7 +347,14 @@ TEST(BpeTokenizer, RefusesUnsupportedConfigurations) {
          j["model"]["merges"].push_back(json::array({"q", "zz"}));
        }},
       {"not two tokens", [](json& j) { j["model"]["merges"].push_back("abc"); }},
-      {"no token has id 265", [](json& j) { j["model"]["vocab"]["zz"] = 266; }},
+      {"no token has id 265",
+       [](json& j) {  // an added token may share a vocabulary id; then 265 is left out
+         j["added_tokens"].push_back({{"content", "<a>"}, {"id", 5}});
+         j["added_tokens"].push_back({{"content", "<b>"}, {"id", 266}});
+       }},
+      {"id must be an integer in 0..265", [](json& j) { j["model"]["vocab"]["zz"] = 4'000'000'000LL; }},
+      {"id must be an integer in 0..265", [](json& j) { j["model"]["vocab"]["zz"] = -1; }},
+      {"id must be an integer in 0..265", [](json& j) { j["model"]["vocab"]["zz"] = "7"; }},
       {"given twice", [](json& j) { j["model"]["vocab"]["zz"] = 0; }},
       {"needs a string content",
        [](json& j) {
