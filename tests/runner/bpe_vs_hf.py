@@ -30,6 +30,16 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<repo
             "<empty_output>"]
 
 
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}],
+    [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi! How can I help?"},
+     {"role": "user", "content": "Tell me a joke\nabout cats 🐱."}],
+    [{"role": "system", "content": "sys"}, {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+     {"role": "user", "content": ""}],
+    [{"role": "assistant", "content": "I start."}],
+]
+
 def corpus(root):
     """[(name, text)]"""
     items = []
@@ -96,6 +106,11 @@ def main():
     auto = AutoTokenizer.from_pretrained(str(mdir))
     vocab = hf.get_vocab()
     items = corpus(root)
+    # the prompts the runner will feed: HF's rendering of the test conversations
+    for i, chat in enumerate(CHATS):
+        for gen in (False, True):
+            items.append(("chat %d%s" % (i, " +prompt" if gen else ""),
+                          auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=gen)))
     work.mkdir(parents=True, exist_ok=True)
     paths = []
     for i, (_, text) in enumerate(items):
@@ -145,15 +160,7 @@ def main():
             failures += 1
     print("bpe_vs_hf: %d texts, %d bytes, %d ids; %s" % (len(items), total_bytes, total_ids, run.stderr.strip()))
 
-    chats = [
-        [{"role": "user", "content": "What is the capital of France?"}],
-        [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}],
-        [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi! How can I help?"},
-         {"role": "user", "content": "Tell me a joke\nabout cats 🐱."}],
-        [{"role": "system", "content": "sys"}, {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-         {"role": "user", "content": ""}],
-        [{"role": "assistant", "content": "I start."}],
-    ]
+    chats = CHATS
     conv_path = work / "chats.json"
     conv_path.write_text(json.dumps(chats))
     run = subprocess.run([tool, "chat", str(mdir), str(conv_path)], capture_output=True, text=True)
