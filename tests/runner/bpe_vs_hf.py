@@ -77,13 +77,15 @@ def corpus(root):
     items += [("special %d" % i, s) for i, s in enumerate(sp)]
     # code points after a letter, a digit, a space and punctuation: both sides of every boundary of the
     # Unicode class tables (capture/runner/src/unicode_tables.inc, made per code point from HF by
-    # scripts/gen-unicode-tables) and every 16th code point
+    # scripts/gen-unicode-tables) and every 16th code point (every one with KVSCOPE_BPE_ALL_CODE_POINTS=1)
     tables = (root / "capture/runner/src/unicode_tables.inc").read_text()
     edges = set()
     for lo, hi in re.findall(r"\{0x([0-9A-F]+), 0x([0-9A-F]+)\}", tables):
         lo, hi = int(lo, 16), int(hi, 16)
         edges.update((lo - 1, lo, hi, hi + 1))
-    cps = sorted(c for c in edges | set(range(0, 0x110000, 16)) if 0 <= c < 0x110000 and not 0xD800 <= c <= 0xDFFF)
+    stride = 1 if os.environ.get("KVSCOPE_BPE_ALL_CODE_POINTS") else 16  # 1: all of them (3 minutes)
+    cps = sorted(c for c in edges | set(range(0, 0x110000, stride))
+                 if 0 <= c < 0x110000 and not 0xD800 <= c <= 0xDFFF)
     for k in range(0, len(cps), 4096):
         items.append(("code points U+%04X.." % cps[k],
                       "".join("a%s1%s %s!%s\n" % ((chr(c),) * 4) for c in cps[k:k + 4096])))
