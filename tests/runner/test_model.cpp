@@ -217,6 +217,66 @@ TEST(Prompts, IdsPromptsAreLabelledAndCheckedAndTextPromptsNeedATextModel) {
   EXPECT_NE(m4.find("is the tiny VLM"), std::string::npos) << m4;
 }
 
+TEST(Generation, NeverFeedsATokenPastTheContext) {
+  Model model = Model::load(testing::fixture_dir("none").string());
+  const int n = model.config().max_position_embeddings;  // 512
+  const Prompt full = model.build_prompt_from_ids(std::vector<std::int32_t>(static_cast<std::size_t>(n), 6));
+  GenerateOptions opt;
+  opt.max_new = 5;
+  const Generation g = model.generate(full, opt);
+  EXPECT_EQ(g.decode_steps, 0);  // the one generated token has no position left to be fed at
+  EXPECT_EQ(g.tokens.size(), 1u);
+  const Prompt almost =
+      model.build_prompt_from_ids(std::vector<std::int32_t>(static_cast<std::size_t>(n - 2), 6));
+  const Generation g2 = model.generate(almost, opt);
+  EXPECT_LE(g2.decode_steps, 2);
+}
+
+TEST(SmolLm2, TiedEmbeddingsAreNotCopiedAndNoVisionIsLoaded) {
+  KVSCOPE_SKIP_WITHOUT_SMOLLM2();
+  Model model = Model::load(testing::smollm2_dir().string());
+  const ModelWeights& w = model.weights();
+  EXPECT_TRUE(model.config().tie_word_embeddings);
+  EXPECT_TRUE(w.lm_head.empty());
+  EXPECT_EQ(&w.output(), &w.embed_tokens);
+  EXPECT_EQ(w.embed_tokens.size(), 49152u * 576u);
+  EXPECT_TRUE(w.patch_embed_w.empty());
+  EXPECT_TRUE(w.proj2_w.empty());
+  EXPECT_EQ(w.layers.size(), 30u);
+  // A text prompt: specials labelled 3 with their text, the rest text (0).
+  const Prompt p = model.build_text_prompt("<|im_start|>user\nHello<|im_end|>");
+  ASSERT_GE(p.size(), 4);
+  EXPECT_EQ(p.tokens.front().token_id, 1);
+  EXPECT_EQ(p.tokens.front().modality, 3);
+  EXPECT_EQ(p.text.front(), "<|im_start|>");
+  EXPECT_EQ(p.tokens.back().token_id, 2);
+  EXPECT_EQ(p.tokens.back().modality, 3);
+  EXPECT_EQ(p.tokens[1].modality, 0);
+  EXPECT_EQ(p.text[1], "user");
+  std::string joined;
+  for (const auto& t : p.text) joined += t;
+  EXPECT_EQ(joined, "<|im_start|>user\nHello<|im_end|>");
+  try {
+    model.build_text_prompt("");
+    ADD_FAILURE() << "an empty prompt was accepted";
+  } catch (const RunnerError& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInput);
+  }
+  try {
+    model.build_prompt({}, "how many shapes ?");
+    ADD_FAILURE() << "a tiny-VLM prompt was accepted by a text model";
+  } catch (const RunnerError& e) {
+    EXPECT_NE(std::string(e.what()).find("is a text model"), std::string::npos) << e.what();
+  }
+  // The chat prompt is the template's rendering, tokenized.
+  const Prompt chat = model.build_chat_prompt("Hi");
+  std::string chat_text;
+  for (const auto& t : chat.text) chat_text += t;
+  EXPECT_EQ(chat_text,
+            "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+            "Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+}
+
 class KeepAllHook : public CacheHook {
  public:
   void after_prefill(KvCache& cache, const std::vector<TokenInfo>& context) override {
