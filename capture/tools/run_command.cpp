@@ -218,7 +218,7 @@ int run_command(const std::vector<std::string>& args) {
            "  kvcap run --model ~/.cache/kvscope/models/smollm2-135m-instruct --chat \\\n"
            "      --prompt \"What is the capital of France?\" -o paris.h5\n"
            "  kvcap run --model ~/.cache/kvscope/models/smollm2-135m-instruct \\\n"
-           "      --prompt-file /usr/share/common-licenses/GPL-3 --max-new 32 --dtype float16 -o gpl.h5\n";
+           "      --prompt-file notes.txt --max-new 32 --dtype float16 -o notes.h5\n";
     return kExitOk;
   }
   for (const char* required : {"model", "output"}) {
