@@ -264,6 +264,13 @@ TEST_F(KvcapRun, PromptOptionsMatchTheModelKind) {
   expect_bad("run --model " + q(llama) + " --chat --prompt ' \n '" + tail, "--prompt is empty", out);
   expect_bad("run --model " + q(llama) + " --prompt-file " + q(dir_ / "missing.txt") + tail,
              (dir_ / "missing.txt").string() + ": cannot open the prompt file", out);
+  expect_bad("run --model " + q(llama) + " --prompt-file " + q(dir_) + tail, "(not a regular file)", out);
+  {
+    std::ofstream(dir_ / "huge.txt") << "x";
+    fs::resize_file(dir_ / "huge.txt", (16u << 20) + 1);  // sparse
+  }
+  expect_bad("run --model " + q(llama) + " --prompt-file " + q(dir_ / "huge.txt") + tail,
+             "the prompt file is larger than 16 MiB", out);
   { std::ofstream(dir_ / "blank.txt") << "\n\n"; }
   expect_bad("run --model " + q(llama) + " --prompt-file " + q(dir_ / "blank.txt") + tail,
              "the prompt is empty", out);
