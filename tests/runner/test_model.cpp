@@ -1,9 +1,12 @@
 // The CPU runner against the PyTorch reference (logits, generation, layer-0 Q/K/V), KV-cache decode against
 // full recompute, and the cache hook (no-op, eviction, merge bias).
 #include <cblas.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <thread>
 
 #include "kvscope/runner/error.hpp"
@@ -230,6 +233,53 @@ TEST(Generation, NeverFeedsATokenPastTheContext) {
       model.build_prompt_from_ids(std::vector<std::int32_t>(static_cast<std::size_t>(n - 2), 6));
   const Generation g2 = model.generate(almost, opt);
   EXPECT_LE(g2.decode_steps, 2);
+}
+
+// The tiny VLM fixture "none" as a text-only LLaMA directory (its decoder tensors; vision tensors and the
+// image/sep ids unused; vocab.json as the tokenizer).
+fs::path llama_from_fixture(bool tied) {
+  const fs::path src = testing::fixture_dir("none");
+  const fs::path dst = fs::temp_directory_path() /
+                       ("kvscope_llama_fixture_" + std::to_string(tied) + "_" + std::to_string(::getpid()));
+  fs::create_directories(dst);
+  for (const char* f : {"model.safetensors", "vocab.json"})
+    fs::copy_file(src / f, dst / f, fs::copy_options::overwrite_existing);
+  std::ifstream in(src / "config.json");
+  nlohmann::json c = nlohmann::json::parse(in);
+  c["architectures"] = {"LlamaForCausalLM"};
+  c["model_type"] = "llama";
+  c["tie_word_embeddings"] = tied;
+  c["hidden_act"] = "silu";
+  for (const char* k : {"vision_config", "image_start_token_id", "image_end_token_id", "sep_token_id"})
+    c.erase(k);
+  std::ofstream(dst / "config.json") << c.dump(2);
+  return dst;
+}
+
+TEST(TextLlama, SameDecoderAsTheTinyVlmAndTiedEmbeddingsReadEmbedTokens) {
+  const fs::path untied_dir = llama_from_fixture(false), tied_dir = llama_from_fixture(true);
+  Model tiny = Model::load(testing::fixture_dir("none").string());
+  Model untied = Model::load(untied_dir.string());
+  Model tied = Model::load(tied_dir.string());
+  fs::remove_all(untied_dir);
+  fs::remove_all(tied_dir);
+  EXPECT_EQ(untied.config().kind, ModelKind::kLlama);
+  EXPECT_TRUE(untied.weights().patch_embed_w.empty());
+  EXPECT_FALSE(untied.weights().lm_head.empty());
+  EXPECT_TRUE(tied.weights().lm_head.empty());
+  const std::vector<std::int32_t> ids = {1, 6, 7, 8, 9, 10};
+  // Text tokens through the same decoder: the same logits as the tiny VLM.
+  const std::vector<float> a = tiny.forward_logits(tiny.build_prompt_from_ids(ids));
+  const std::vector<float> b = untied.forward_logits(untied.build_prompt_from_ids(ids));
+  EXPECT_EQ(a, b);
+  // Tied: the output projection is embed_tokens, as in an untied model whose lm_head is a copy of it.
+  ModelWeights w = untied.weights();
+  w.lm_head = w.embed_tokens;
+  Model copied(untied.config(), std::move(w), load_tokenizer(testing::fixture_dir("none").string()),
+               Device::kCpu);
+  const std::vector<float> t = tied.forward_logits(tied.build_prompt_from_ids(ids));
+  EXPECT_EQ(t, copied.forward_logits(copied.build_prompt_from_ids(ids)));
+  EXPECT_NE(t, b);
 }
 
 TEST(SmolLm2, TiedEmbeddingsAreNotCopiedAndNoVisionIsLoaded) {
