@@ -9,6 +9,7 @@
 #include <filesystem>
 
 #include "kvscope/kernels/blas_runtime.hpp"
+#include "kvscope/runner/chat_template.hpp"
 #include "kvscope/runner/error.hpp"
 #include "kvscope/runner/safetensors.hpp"
 
@@ -50,19 +51,85 @@ Model Model::load(const std::string& dir, Device device) {
   namespace fs = std::filesystem;
   if (!fs::is_directory(dir)) throw RunnerError(ErrorKind::kModel, dir + ": not a model directory");
   ModelConfig config = load_config(dir);
-  Vocabulary vocab = Vocabulary::load((fs::path(dir) / "vocab.json").string());
-  if (vocab.size() != config.vocab_size) {
-    throw RunnerError(ErrorKind::kModel,
-                      (fs::path(dir) / "vocab.json").string() + ": " + std::to_string(vocab.size()) +
-                          " tokens, config.json has vocab_size " + std::to_string(config.vocab_size));
+  std::shared_ptr<const Tokenizer> tokenizer;
+  std::string tokenizer_file;
+  if (config.has_vision()) {
+    tokenizer_file = (fs::path(dir) / "vocab.json").string();
+    tokenizer = std::make_shared<const Vocabulary>(Vocabulary::load(tokenizer_file));
+  } else {
+    tokenizer_file = (fs::path(dir) / "tokenizer.json").string();
+    tokenizer = load_tokenizer(dir);
+  }
+  // HF pads the embedding matrix beyond the tokenizer's ids at times; never the other way round.
+  if (tokenizer->size() > config.vocab_size ||
+      (config.has_vision() && tokenizer->size() != config.vocab_size)) {
+    throw RunnerError(ErrorKind::kModel, tokenizer_file + ": " + std::to_string(tokenizer->size()) +
+                                             " tokens, config.json has vocab_size " +
+                                             std::to_string(config.vocab_size));
   }
   SafetensorsFile file((fs::path(dir) / "model.safetensors").string());
   ModelWeights weights = load_weights(file, config);
-  return Model(std::move(config), std::move(weights), std::make_shared<const Vocabulary>(std::move(vocab)),
-               device);
+  Model model(std::move(config), std::move(weights), std::move(tokenizer), device);
+  model.dir_ = dir;
+  return model;
+}
+
+void Model::check_context(int n) const {
+  if (n > config_.max_position_embeddings) {
+    throw RunnerError(ErrorKind::kInput, "the prompt has " + std::to_string(n) +
+                                             " tokens, more than max_position_embeddings = " +
+                                             std::to_string(config_.max_position_embeddings));
+  }
+}
+
+Prompt Model::build_text_prompt(const std::string& text) const {
+  if (config_.has_vision()) {
+    throw RunnerError(ErrorKind::kInput, "text prompts are for text models; " + config_.model_name +
+                                             " is the tiny VLM (give images and a question)");
+  }
+  const std::vector<std::int32_t> ids = tokenizer_->encode(text);
+  if (ids.empty()) throw RunnerError(ErrorKind::kInput, "the prompt is empty (no tokens)");
+  return build_prompt_from_ids(ids);
+}
+
+Prompt Model::build_chat_prompt(const std::string& user_text) const {
+  if (config_.has_vision()) {
+    throw RunnerError(ErrorKind::kInput,
+                      "chat prompts are for text models; " + config_.model_name + " is the tiny VLM");
+  }
+  if (dir_.empty()) throw RunnerError(ErrorKind::kModel, "no model directory to read the chat template from");
+  const ChatTemplate chat = ChatTemplate::load(dir_);
+  return build_text_prompt(chat.render({ChatMessage{"user", user_text}}, true));
+}
+
+Prompt Model::build_prompt_from_ids(const std::vector<std::int32_t>& ids) const {
+  if (ids.empty()) throw RunnerError(ErrorKind::kInput, "the prompt is empty (no tokens)");
+  check_context(static_cast<int>(ids.size()));
+  Prompt p;
+  p.tokens.reserve(ids.size());
+  p.text.reserve(ids.size());
+  for (std::int32_t id : ids) {
+    if (id < 0 || id >= config_.vocab_size || id >= tokenizer_->size()) {
+      throw RunnerError(ErrorKind::kInput, "token id " + std::to_string(id) + " is outside the vocabulary (" +
+                                               std::to_string(config_.vocab_size) + " tokens)");
+    }
+    TokenInfo t;
+    t.token_id = id;
+    t.modality = tokenizer_->is_special(id) ? 3 : 0;
+    t.segment = 0;
+    t.grid_row = t.grid_col = -1;
+    t.position = t.index = static_cast<std::int32_t>(p.tokens.size());
+    p.tokens.push_back(t);
+    p.text.push_back(tokenizer_->text(id));
+  }
+  return p;
 }
 
 Prompt Model::build_prompt(const std::vector<Image>& images, const std::string& question) const {
+  if (!config_.has_vision()) {
+    throw RunnerError(ErrorKind::kInput, "images and questions are for the tiny VLM; " + config_.model_name +
+                                             " is a text model (give a text prompt)");
+  }
   const std::vector<std::int32_t> words = tokenizer_->encode(question);  // throws for empty / unknown
   const VisionConfig& vc = config_.vision;
   Prompt p;
@@ -95,11 +162,7 @@ Prompt Model::build_prompt(const std::vector<Image>& images, const std::string& 
   }
   for (std::int32_t id : words) push(id, 0, n_images, -1, -1);
   push(config_.sep_token_id, 3, n_images, -1, -1);
-  if (p.size() > config_.max_position_embeddings) {
-    throw RunnerError(ErrorKind::kInput, "the prompt has " + std::to_string(p.size()) +
-                                             " tokens, more than max_position_embeddings = " +
-                                             std::to_string(config_.max_position_embeddings));
-  }
+  check_context(p.size());
   return p;
 }
 
@@ -181,18 +244,24 @@ Generation Model::generate(const Prompt& prompt, const GenerateOptions& options)
     req.x = x.data();
     req.tokens = prompt.tokens.data();
     req.num_tokens = prompt.size();
+    req.all_logits = options.prefill_logits != nullptr;
     backend_->forward(req, cache, options.observer, logits);
+    if (options.prefill_logits) {
+      *options.prefill_logits = logits;
+      logits.erase(logits.begin(), logits.end() - config_.vocab_size);  // the last position's
+    }
   }
   gen.prefill_ms = ms_since(t0);
   if (options.hook) options.hook->after_prefill(cache, prompt.tokens);
   t0 = Clock::now();
+  // Generated tokens continue the last segment (the question's for the tiny VLM, 0 for text).
   const int n_images = static_cast<int>(prompt.images.size());
   std::vector<std::int32_t> answer;
   while (static_cast<int>(gen.tokens.size()) < options.max_new) {
     const int next = argmax(logits);
     if (options.keep_logits) gen.logits.push_back(logits);
     gen.tokens.push_back(next);
-    if (next == config_.eos_token_id) break;
+    if (config_.is_eos(next)) break;
     answer.push_back(next);
     const int step = gen.decode_steps;
     TokenInfo tok;
