@@ -29,7 +29,8 @@ void print_usage(std::ostream& os) {
         "  validate   check that a file is a valid, complete kvscope trace (exit 0 valid, 2 not)\n"
         "  export-chrome  write a trace's /profile ranges and kernels as Chrome/Perfetto trace JSON\n"
         "  run        run the reference model (tiny VLM) on images + a question and capture a trace\n"
-        "  eval       closed-loop evaluation: accuracy, KL and bytes of policies on held-out samples\n\n"
+        "  eval       closed-loop evaluation: accuracy, KL and bytes of policies on held-out samples\n"
+        "  tasks      write long-context task prompts (passkey, needle, multikey, vartrack) as JSON lines\n\n"
         "Run 'kvcap <command> --help' for the options of a command.\n"
         "Trace format: docs/trace-format.md. Synthetic structure: docs/synthetic-traces.md.\n"
         "Input traces are parsed first in an isolated child process (10 s per object, 1 GiB), so a\n"
@@ -181,8 +182,9 @@ int main(int argc, char** argv) {
     if (cmd == "export-chrome") return cli::export_chrome_command(rest);
     if (cmd == "run") return cli::run_command(rest);
     if (cmd == "eval") return cli::eval_command(rest);
+    if (cmd == "tasks") return cli::tasks_command(rest);
     std::cerr << "kvcap: unknown command '" << cmd
-              << "' (valid: synth, validate, export-chrome, run, eval; see kvcap --help)\n";
+              << "' (valid: synth, validate, export-chrome, run, eval, tasks; see kvcap --help)\n";
     return kExitError;
   } catch (const std::exception& e) {
     std::cerr << "kvcap " << cmd << ": " << e.what() << "\n";
