@@ -47,6 +47,23 @@ struct RunResult {
 RunResult run_sample(runner::Model& model, const runner::Prompt& prompt, ClosedLoopHook* hook, int max_new,
                      const std::vector<std::int32_t>* forced = nullptr);
 
+// The uncompressed prefill of one prompt, kept to continue several runs from (sample-outer evaluation): the
+// cache, the logits of the last prompt position and each layer's prefill queries (what ClosedLoopHook
+// observes during prefill).
+struct Prefill {
+  runner::KvCache cache{0, 0, 0};
+  std::vector<float> logits;          // [V]
+  std::vector<std::vector<float>> q;  // [L][Hq * T * D], as the observer sees them ([Hq, T, D])
+  double seconds = 0;
+};
+Prefill run_prefill(runner::Model& model, const runner::Prompt& prompt);
+// Same as run_sample(model, prompt, hook, max_new, forced), continuing from a copy of `prefill`'s cache: the
+// recorded queries are replayed into `hook` (on_prefill_layer with empty k and v) before after_prefill.
+// Results are identical to run_sample's (tested); `seconds` counts the continuation only.
+RunResult run_from_prefill(runner::Model& model, const runner::Prompt& prompt, const Prefill& prefill,
+                           ClosedLoopHook* hook, int max_new,
+                           const std::vector<std::int32_t>* forced = nullptr);
+
 // KL(P_ref || P) of softmax(logits) in double.
 double next_token_kl(const std::vector<float>& ref_logits, const std::vector<float>& logits);
 
@@ -79,14 +96,27 @@ struct PointStats {
 struct Reference {
   runner::Prompt prompt;
   std::vector<std::int32_t> answer_ids;  // dataset answer + <eos>
+  // Text tasks (docs/tasks.md): when non-empty, a run is correct when its decoded text matches this answer
+  // (answer_matches) instead of answer_ids.
+  std::string answer_text;
+  int family = 0;  // index into kFamilies
   RunResult run;
 };
+// The tiny VLM's held-out samples: prompts and answers; with `run` (max_new > 0) also the uncompressed run.
 std::vector<Reference> make_references(runner::Model& model, const std::vector<HeldoutSample>& samples,
                                        int max_new);
 
-// Runs one point on every reference. `progress(done)` is called after each sample.
-PointStats evaluate_point(runner::Model& model, const EvalPoint& point,
-                          const std::vector<HeldoutSample>& samples, const std::vector<Reference>& refs,
+// Runs one point on every reference, each run with its own prefill. `progress(done)` is called after each
+// sample.
+PointStats evaluate_point(runner::Model& model, const EvalPoint& point, const std::vector<Reference>& refs,
                           int max_new, const std::function<void(int)>& progress = {});
+
+// Sample-outer evaluation: per sample ONE uncompressed prefill (run_prefill), from which the reference run
+// (filling refs[i].run) and every point's runs continue. Results equal evaluate_point's per point (tested)
+// except `seconds`, which counts each point's continuations only. `progress(done)` is called after each run
+// (points.size() + 1 per sample).
+std::vector<PointStats> evaluate_shared(runner::Model& model, const std::vector<EvalPoint>& points,
+                                        std::vector<Reference>& refs, int max_new,
+                                        const std::function<void(std::size_t)>& progress = {});
 
 }  // namespace kvscope::closedloop
