@@ -131,7 +131,7 @@ class CpuBackend final : public DecoderBackend {
     const float* last = h.data() + static_cast<std::size_t>(t - rows) * d;
     rms_norm(last, w_->final_norm, rows, d, c_.rms_norm_eps, a.data());
     logits.assign(static_cast<std::size_t>(rows) * c_.vocab_size, 0.0f);
-    linear(a.data(), w_->lm_head, rows, c_.vocab_size, d, logits.data());
+    linear(a.data(), w_->output(), rows, c_.vocab_size, d, logits.data());
   }
 
  private:
