@@ -31,7 +31,8 @@ def main(argv=None) -> int:
     ap.add_argument("--jsonl", required=True, nargs="+")
     ap.add_argument("--max-new", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--limit", type=int, default=0, help="first N samples of each file (0: all)")
+    ap.add_argument("--offset", type=int, default=0, help="skip the first N samples of each file")
+    ap.add_argument("--limit", type=int, default=0, help="then at most N samples of each file (0: all)")
     ap.add_argument("--answers", help="write per-sample results (JSON lines) here")
     args = ap.parse_args(argv)
 
@@ -42,11 +43,14 @@ def main(argv=None) -> int:
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32)
     model.eval()
-    out = open(args.answers, "w") if args.answers else None
+    out = open(args.answers, "a" if args.offset else "w") if args.answers else None
     for path in args.jsonl:
         samples = [json.loads(line) for line in open(path)]
+        samples = samples[args.offset:]
         if args.limit:
             samples = samples[: args.limit]
+        if not samples:
+            continue
         hits, ptoks, utoks = 0, 0, 0
         t0 = time.time()
         for s in samples:

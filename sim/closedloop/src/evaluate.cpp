@@ -206,6 +206,19 @@ std::vector<Reference> make_references(runner::Model& model, const std::vector<H
   return refs;
 }
 
+Reference make_task_reference(runner::Model& model, const runner::Tokenizer& tokenizer,
+                              const runner::ChatTemplate& chat, const TaskSample& sample) {
+  Reference r;
+  const std::string text = chat.render({{"user", sample.user}}, true) + sample.answer_prefix;
+  r.prompt = model.build_prompt_from_ids(tokenizer.encode(text));
+  r.answer_ids = tokenizer.encode(" " + sample.answer);
+  r.answer_ids.push_back(model.config().eos_token_id);
+  r.answer_text = sample.answer;
+  r.tokenizer = &tokenizer;
+  r.family = family_index("text-only");
+  return r;
+}
+
 namespace {
 
 // Running sums of one point.
@@ -237,13 +250,18 @@ void add_sample(runner::Model& model, const Reference& ref, const ClosedLoopHook
   sums.keep_sum += hook.keep();
   st.warnings += hook.warnings().empty() ? 0 : 1;
   std::string text;
-  for (const std::int32_t t : run.tokens) text += (text.empty() ? "" : " ") + model.tokenizer().text(t);
+  bool correct = false;
+  if (ref.answer_text.empty()) {
+    for (const std::int32_t t : run.tokens) text += (text.empty() ? "" : " ") + model.tokenizer().text(t);
+    correct = run.tokens == ref.answer_ids;
+  } else {
+    text = (ref.tokenizer ? *ref.tokenizer : model.tokenizer()).decode(run.tokens);
+    correct = answer_matches(text, ref.answer_text);
+  }
   st.generated.push_back(std::move(text));
+  st.correct.push_back(correct ? 1 : 0);
   const auto fam = static_cast<std::size_t>(ref.family);
   ++st.family_samples[fam];
-  const bool correct = ref.answer_text.empty()
-                           ? run.tokens == ref.answer_ids
-                           : answer_matches(model.tokenizer().decode(run.tokens), ref.answer_text);
   if (correct) {
     ++sums.hits[fam];
     ++sums.total_hits;

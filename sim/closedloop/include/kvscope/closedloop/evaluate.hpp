@@ -11,6 +11,8 @@
 #include <vector>
 
 #include "kvscope/closedloop/hook.hpp"
+#include "kvscope/closedloop/tasks.hpp"
+#include "kvscope/runner/chat_template.hpp"
 #include "kvscope/runner/model.hpp"
 #include "kvscope/sim/policy.hpp"
 
@@ -88,8 +90,10 @@ struct PointStats {
   bool bytes_match = true;  // runner-held bytes == kvsim's predicted bytes for every sample
   double seconds = 0;       // wall time of the point
   int warnings = 0;         // samples whose replay warned (budget clamped to the forced set)
-  // Per sample: the generated answer, tokens joined by spaces ("<eos>" included when produced).
+  // Per sample: the generated answer, tokens joined by spaces ("<eos>" included when produced); for text
+  // tasks the decoded continuation of the answer prefix.
   std::vector<std::string> generated;
+  std::vector<std::uint8_t> correct;  // per sample: 1 when the answer matched
 };
 
 // The uncompressed reference of one sample.
@@ -99,12 +103,20 @@ struct Reference {
   // Text tasks (docs/tasks.md): when non-empty, a run is correct when its decoded text matches this answer
   // (answer_matches) instead of answer_ids.
   std::string answer_text;
+  // Decodes generated ids for answer_text (null: the model's tokenizer); not owned.
+  const runner::Tokenizer* tokenizer = nullptr;
   int family = 0;  // index into kFamilies
   RunResult run;
 };
 // The tiny VLM's held-out samples: prompts and answers; with `run` (max_new > 0) also the uncompressed run.
 std::vector<Reference> make_references(runner::Model& model, const std::vector<HeldoutSample>& samples,
                                        int max_new);
+
+// A text task's sample (docs/tasks.md) as a reference of the text model: the user message rendered with
+// `chat` (its default system prompt, the assistant turn opened), then the answer prefix, encoded by
+// `tokenizer`; family "text-only"; answer_ids = the encoded " " + answer + EOS (for inspection).
+Reference make_task_reference(runner::Model& model, const runner::Tokenizer& tokenizer,
+                              const runner::ChatTemplate& chat, const TaskSample& sample);
 
 // Runs one point on every reference, each run with its own prefill. `progress(done)` is called after each
 // sample.
