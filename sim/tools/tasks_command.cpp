@@ -7,6 +7,8 @@
 
 #include "kvscope/closedloop/eval_command.hpp"
 #include "kvscope/closedloop/tasks.hpp"
+#include "kvscope/runner/error.hpp"
+#include "kvscope/runner/tokenizer.hpp"
 
 namespace po = boost::program_options;
 
@@ -30,13 +32,15 @@ int tasks_command(const std::vector<std::string>& args) {
       "needle_token, depth, tokens. Tasks: " +
       closedloop::task_names_list() +
       ".\n"
-      "Lengths count tokens at 4.8 bytes a token (approximate).\n\nOptions");
+      "Lengths count tokens of --model's tokenizer (tokenizer.json), else 4.8 bytes a token (approximate).\n"
+      "With --model the prompts are exactly those kvcap eval --task builds for that model.\n\nOptions");
   opts.add_options()("help,h", "show this help")("task", po::value<std::string>(), "task name")(
       "length", po::value<int>()->default_value(1024), "tokens of the user message (512 .. 4096)")(
       "samples", po::value<int>()->default_value(100), "number of samples")(
       "seed", po::value<unsigned long long>()->default_value(1), "generator seed")(
       "haystack", po::value<std::vector<std::string>>(),
       "prose files or directories (repeatable; default /usr/share/common-licenses)")(
+      "model", po::value<std::string>(), "model folder whose tokenizer counts the tokens")(
       "output,o", po::value<std::string>(), "JSON-lines file (default: stdout)");
   po::variables_map vm;
   try {
@@ -59,10 +63,19 @@ int tasks_command(const std::vector<std::string>& args) {
     const std::string task = vm["task"].as<std::string>();
     closedloop::check_task_name(task);
     const closedloop::Haystack hay = closedloop::load_haystack(paths);
+    std::shared_ptr<const runner::Tokenizer> tokenizer;
+    closedloop::TokenCounter count = closedloop::approx_token_count;
+    if (vm.count("model")) {
+      tokenizer = runner::load_tokenizer(vm["model"].as<std::string>());
+      count = [&](const std::string& t) {
+        return t.empty() ? 0 : static_cast<int>(tokenizer->encode(t).size());
+      };
+    }
     samples = closedloop::make_task_samples(task, vm["length"].as<int>(), vm["samples"].as<int>(),
-                                            vm["seed"].as<unsigned long long>(), hay,
-                                            closedloop::approx_token_count);
+                                            vm["seed"].as<unsigned long long>(), hay, count);
   } catch (const closedloop::TaskError& e) {
+    return tasks_fail(e.what());
+  } catch (const runner::RunnerError& e) {
     return tasks_fail(e.what());
   }
   std::ofstream file;

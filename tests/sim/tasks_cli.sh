@@ -55,6 +55,7 @@ refuse "$kvcap" tasks --task passkey --length 8192 -o "$dir/refused.out" "out of
 refuse "$kvcap" tasks --task passkey --samples 0 -o "$dir/refused.out" "samples must be >= 1"
 refuse "$kvcap" tasks --task passkey --haystack /nonexistent/prose -o "$dir/refused.out" \
   "haystack /nonexistent/prose not found"
+refuse "$kvcap" tasks --task passkey --model /nonexistent/model -o "$dir/refused.out" "/nonexistent/model"
 refuse "$kvcap" eval --model "$tiny" --policies h2o --task nope -o "$dir/refused.out" "unknown task 'nope'"
 refuse "$kvcap" eval --model "$tiny" --policies h2o --task passkey --length 50000 -o "$dir/refused.out" \
   "out of range (512 .. 4096 tokens)"
@@ -93,6 +94,16 @@ assert len(ans) == 4 and set(ans.family) == {"text-only"}
 for _, r in ans.iterrows():
     assert r.expected.isdigit() and len(r.expected) == 5
     assert r.correct == ("1" if r.generated.lstrip().startswith(r.expected) else "0"), r
+PY
+  # kvcap tasks --model counts with the model's tokenizer: the prompts kvcap eval ran.
+  "$kvcap" tasks --model "$real" --task passkey --length 512 --samples 2 --seed 1 -o "$dir/p.jsonl" &&
+    "$python" - "$dir/p.jsonl" "$dir/p_answers.csv" <<'PY' && ok "real model: kvcap tasks --model" || bad "real model: kvcap tasks --model"
+import json, sys
+import pandas as pd
+rows = [json.loads(l) for l in open(sys.argv[1])]
+assert all(497 <= r["tokens"] <= 512 for r in rows), [r["tokens"] for r in rows]
+ans = pd.read_csv(sys.argv[2], keep_default_na=False, dtype=str)
+assert list(ans[ans.policy == "full"].expected) == [r["answer"] for r in rows]
 PY
 else
   echo "skip: the real model $real is missing (run scripts/setup to import SmolLM2-135M-Instruct)"
