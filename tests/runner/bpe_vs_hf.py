@@ -30,6 +30,16 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<repo
             "<empty_output>"]
 
 
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}],
+    [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi! How can I help?"},
+     {"role": "user", "content": "Tell me a joke\nabout cats 🐱."}],
+    [{"role": "system", "content": "sys"}, {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+     {"role": "user", "content": ""}],
+    [{"role": "assistant", "content": "I start."}],
+]
+
 def corpus(root):
     """[(name, text)]"""
     items = []
@@ -55,7 +65,8 @@ def corpus(root):
     uni = ["café naïve résumé Ångström", "e\u0301 a\u0308\u0301 n\u0303", "漢字かなカナ한국어 中文，标点。",
            "👍 👨‍👩‍👧‍👦 🇫🇷🇩🇪 ❤️ 🏳️‍🌈", "שלום עולם مرحبا بالعالم ‏RTL‎", "zero\u200bwidth\u200c\u200d\ufeffjoin",
            "Ελληνικά Русский язык ქართული हिन्दी ไทย", "\U0001F600\U0001F64F \U00010348 \U0010FFFD", "ﬁ ﬂ ß ẞ İı",
-           "math: ∑∫√∞ ≤≥ ≠ ±×÷", "quotes “double” ‘single’ «guillemets» — – …", "\x00\x01\x7f controls"]
+           "math: ∑∫√∞ ≤≥ ≠ ±×÷", "quotes “double” ‘single’ «guillemets» — – …", "\x00\x01\x7f controls",
+           "a\x04b\x06 \x13\x14\x16\x1d!"]  # characters SmolLM2 has no token for: dropped by HF and us
     items += [("unicode %d" % i, s) for i, s in enumerate(uni)]
     contr = ["it's we're they've I'm we'll he'd don't can't", "IT'S WE'RE 'S 'Re", "'s're've'm'll'd't",
              " 's ' s '' '''s", "rock'n'roll o'clock y'all", "'" * 10, "’s curly’re"]
@@ -66,13 +77,15 @@ def corpus(root):
     items += [("special %d" % i, s) for i, s in enumerate(sp)]
     # code points after a letter, a digit, a space and punctuation: both sides of every boundary of the
     # Unicode class tables (capture/runner/src/unicode_tables.inc, made per code point from HF by
-    # scripts/gen-unicode-tables) and every 16th code point
+    # scripts/gen-unicode-tables) and every 16th code point (every one with KVSCOPE_BPE_ALL_CODE_POINTS=1)
     tables = (root / "capture/runner/src/unicode_tables.inc").read_text()
     edges = set()
     for lo, hi in re.findall(r"\{0x([0-9A-F]+), 0x([0-9A-F]+)\}", tables):
         lo, hi = int(lo, 16), int(hi, 16)
         edges.update((lo - 1, lo, hi, hi + 1))
-    cps = sorted(c for c in edges | set(range(0, 0x110000, 16)) if 0 <= c < 0x110000 and not 0xD800 <= c <= 0xDFFF)
+    stride = 1 if os.environ.get("KVSCOPE_BPE_ALL_CODE_POINTS") else 16  # 1: all of them (3 minutes)
+    cps = sorted(c for c in edges | set(range(0, 0x110000, stride))
+                 if 0 <= c < 0x110000 and not 0xD800 <= c <= 0xDFFF)
     for k in range(0, len(cps), 4096):
         items.append(("code points U+%04X.." % cps[k],
                       "".join("a%s1%s %s!%s\n" % ((chr(c),) * 4) for c in cps[k:k + 4096])))
@@ -96,6 +109,11 @@ def main():
     auto = AutoTokenizer.from_pretrained(str(mdir))
     vocab = hf.get_vocab()
     items = corpus(root)
+    # the prompts the runner will feed: HF's rendering of the test conversations
+    for i, chat in enumerate(CHATS):
+        for gen in (False, True):
+            items.append(("chat %d%s" % (i, " +prompt" if gen else ""),
+                          auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=gen)))
     work.mkdir(parents=True, exist_ok=True)
     paths = []
     for i, (_, text) in enumerate(items):
@@ -145,15 +163,7 @@ def main():
             failures += 1
     print("bpe_vs_hf: %d texts, %d bytes, %d ids; %s" % (len(items), total_bytes, total_ids, run.stderr.strip()))
 
-    chats = [
-        [{"role": "user", "content": "What is the capital of France?"}],
-        [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}],
-        [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi! How can I help?"},
-         {"role": "user", "content": "Tell me a joke\nabout cats 🐱."}],
-        [{"role": "system", "content": "sys"}, {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-         {"role": "user", "content": ""}],
-        [{"role": "assistant", "content": "I start."}],
-    ]
+    chats = CHATS
     conv_path = work / "chats.json"
     conv_path.write_text(json.dumps(chats))
     run = subprocess.run([tool, "chat", str(mdir), str(conv_path)], capture_output=True, text=True)
@@ -171,7 +181,8 @@ def main():
     if failures:
         print("bpe_vs_hf: FAILED (%d)" % failures)
         return 1
-    print("bpe_vs_hf: ids identical to HF tokenizers and transformers, decode lossless, chat template identical")
+    print("bpe_vs_hf: ids identical to HF tokenizers and transformers, decode lossless (but for bytes without a "
+          "token), chat template identical")
     return 0
 
 

@@ -427,6 +427,12 @@ TEST(BpeTokenizer, RealModelMatchesHf) {
                                        216,   33,    34,  35,  36,  37,  13855, 30, 39892, 1,  4093,
                                        198,   26843, 216, 665, 197, 197, 2231,  2,  198}));
   EXPECT_EQ(tok->decode(tok->encode(text)), text);
+  // invalid UTF-8 (HF cannot be given it) still encodes and decodes, but for the bytes without a token
+  const std::string invalid =
+      "a\x80"
+      "b\xE2\x82 \xED\xA0\x80";
+  EXPECT_EQ(tok->decode(tok->encode(invalid)), invalid);
+  EXPECT_TRUE(tok->encode("\xFF\xC0").empty());
   for (int id = 0; id < 17; ++id) EXPECT_TRUE(tok->is_special(id)) << id;
   EXPECT_FALSE(tok->is_special(17));
   // 100 KB of the repo's docs in well under a second

@@ -4,6 +4,7 @@
 // and lstrip_blocks, or `-` markers) drops.
 #include "kvscope/runner/chat_template.hpp"
 
+#include <algorithm>
 #include <cctype>
 #include <filesystem>
 #include <fstream>
@@ -101,12 +102,11 @@ std::vector<Tok> lex(const std::string& src) {
     const bool trim_before = tag != std::string::npos && tag + 2 < src.size() && src[tag + 2] == '-';
     // Jinja whitespace control: `-` strips all; trim_blocks drops the newline after a block tag;
     // lstrip_blocks drops spaces and tabs from a line start up to a block tag.
-    if (trim_next)
-      text.erase(0, text.find_first_not_of(" \t\r\n") == std::string::npos
-                        ? text.size()
-                        : text.find_first_not_of(" \t\r\n"));
-    else if (after_block && !text.empty() && text[0] == '\n')
+    if (trim_next) {
+      text.erase(0, std::min(text.size(), text.find_first_not_of(" \t\r\n")));
+    } else if (after_block && !text.empty() && text[0] == '\n') {
       text.erase(0, 1);
+    }
     if (trim_before) {
       const std::size_t last = text.find_last_not_of(" \t\r\n");
       text.erase(last == std::string::npos ? 0 : last + 1);
@@ -121,10 +121,9 @@ std::vector<Tok> lex(const std::string& src) {
     const std::size_t end = src.find(close, tag + 2);
     if (end == std::string::npos) throw NotChatml{"an unterminated tag"};
     std::string inner = src.substr(tag + 2, end - tag - 2);
-    if (!inner.empty() && inner.front() == '-') inner.erase(0, 1);
+    if (!inner.empty() && (inner.front() == '-' || inner.front() == '+')) inner.erase(0, 1);  // {%- / {%+
     trim_next = !inner.empty() && inner.back() == '-';
-    if (trim_next) inner.pop_back();
-    if (!inner.empty() && inner.back() == '+') inner.pop_back();  // {%+ / +%}: no trim
+    if (!inner.empty() && (inner.back() == '-' || inner.back() == '+')) inner.pop_back();
     if (kind != '#') {
       out.push_back({false, kind == '{' ? "{{" : "{%"});
       lex_tag(inner, out);
