@@ -1,4 +1,5 @@
-// kvcap: the capture-side command line. Subcommands: synth, validate, export-chrome, run, eval, import-gguf.
+// kvcap: the capture-side command line. Subcommands: synth, validate, export-chrome, run, eval, tasks,
+// import-gguf.
 #include <boost/program_options.hpp>
 
 #include <cstdio>
@@ -31,7 +32,9 @@ void print_usage(std::ostream& os) {
         "  export-chrome  write a trace's /profile ranges and kernels as Chrome/Perfetto trace JSON\n"
         "  run        run a model (tiny VLM: images + a question; HF LLaMA: a text or chat prompt) and\n"
         "             capture a trace\n"
-        "  eval       closed-loop evaluation: accuracy, KL and bytes of policies on held-out samples\n"
+        "  eval       closed-loop evaluation: accuracy, KL and bytes of policies on held-out samples or\n"
+        "             long-context tasks (--task, text models)\n"
+        "  tasks      write long-context task prompts (passkey, needle, multikey, vartrack) as JSON lines\n"
         "  import-gguf  convert a LLaMA-family GGUF file into a Hugging Face model folder\n\n"
         "Run 'kvcap <command> --help' for the options of a command.\n"
         "Trace format: docs/trace-format.md. Synthetic structure: docs/synthetic-traces.md.\n"
@@ -184,9 +187,10 @@ int main(int argc, char** argv) {
     if (cmd == "export-chrome") return cli::export_chrome_command(rest);
     if (cmd == "run") return cli::run_command(rest);
     if (cmd == "eval") return cli::eval_command(rest);
+    if (cmd == "tasks") return cli::tasks_command(rest);
     if (cmd == "import-gguf") return cli::import_gguf_command(rest);
     std::cerr << "kvcap: unknown command '" << cmd
-              << "' (valid: synth, validate, export-chrome, run, eval, import-gguf; see kvcap --help)\n";
+              << "' (valid: synth, validate, export-chrome, run, eval, tasks, import-gguf; see kvcap --help)\n";
     return kExitError;
   } catch (const std::exception& e) {
     std::cerr << "kvcap " << cmd << ": " << e.what() << "\n";

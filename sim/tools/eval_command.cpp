@@ -13,7 +13,9 @@
 #include "kvscope/cli/progress.hpp"
 #include "kvscope/closedloop/evaluate.hpp"
 #include "kvscope/closedloop/report.hpp"
+#include "kvscope/runner/chat_template.hpp"
 #include "kvscope/runner/error.hpp"
+#include "kvscope/runner/tokenizer.hpp"
 #include "kvscope/sim/sweep.hpp"
 
 namespace po = boost::program_options;
@@ -49,7 +51,10 @@ po::options_description make_options() {
       "uncompressed run (teacher-forced on its answer), and the bytes the cache held (per modality).\n"
       "'full' is always evaluated as the reference; quantization-only policies run once (budget '-').\n"
       "Decode-time policies (NAME~decode[:N]) evict during decoding with kvsim's decode-time rule.\n"
-      "Method: docs/results-format.md, section \"Closed-loop results (kvcap eval)\".\n\nOptions");
+      "Method: docs/results-format.md, section \"Closed-loop results (kvcap eval)\".\n"
+      "Text models (LlamaForCausalLM folders): --task NAME runs N long-context task prompts (docs/tasks.md)\n"
+      "instead of heldout.json, the answer prefix pre-filled, scored by exact match of the answer.\n"
+      "Each sample's uncompressed prefill runs once and every point continues from a copy of it.\n\nOptions");
   opts.add_options()("help,h", "show this help")(
       "model", po::value<std::string>(),
       "model directory (config.json, model.safetensors, vocab.json, "
@@ -58,16 +63,25 @@ po::options_description make_options() {
       "budgets", po::value<std::string>()->default_value("0.5"),
       "kvsim budget list: fractions, ranges a:b:step, NNtok, byte sizes (e.g. 0.1:0.5:0.1,64KiB)")(
       "samples", po::value<int>()->default_value(200), "held-out samples per point")(
+      "task", po::value<std::string>(),
+      "text model: long-context task (passkey, needle, multikey, vartrack; docs/tasks.md)")(
+      "length", po::value<int>()->default_value(1024),
+      "with --task: tokens of the user message (512 .. 4096)")(
+      "haystack", po::value<std::vector<std::string>>(),
+      "with --task: prose files or directories (repeatable; default /usr/share/common-licenses)")(
       "seed", po::value<unsigned long long>()->default_value(0),
-      "0: samples 0..N-1 of heldout.json; else a random N-subset drawn with this seed")(
-      "max-new", po::value<int>()->default_value(10),
-      "answer tokens generated at most (answers are 3-8 + <eos>)")(
+      "0: samples 0..N-1 of heldout.json; else a random N-subset drawn with this seed; with --task the "
+      "task generator's seed")("max-new", po::value<int>()->default_value(10),
+                               "answer tokens generated at most (answers are 3-8 + <eos>)")(
       "policy-file", po::value<std::string>(), "INI file with extra [policy NAME] sections (kvsim syntax)")(
       "output,o", po::value<std::string>(), "HDF5 results file (group /closed_loop)")(
       "csv", po::value<std::string>(), "CSV results file (one row per point)")(
       "answers", po::value<std::string>(),
       "CSV of the generated answers, one row per point x sample: sample, family, policy, budget, "
       "generated, expected, correct")(
+      "per-point-prefill",
+      "run the uncompressed prefill again for every point (slower; the default runs it once per sample and "
+      "continues every point from a copy, with identical results)")(
       "threads", po::value<int>()->default_value(1),
       "OpenMP threads of the runner and kernels (0 = OpenMP default; at most 4 x the hardware threads, "
       "1024); a sample is a few ms of "
@@ -89,7 +103,9 @@ int eval_command(const std::vector<std::string>& args) {
   if (vm.count("help")) {
     std::cout << opts << "\nExample:\n"
               << "  kvcap eval --model traces/models/tiny-shapes --policies h2o,snapkv,int8 \\\n"
-                 "      --budgets 0.1,0.3,0.5 --samples 200 -o closed.h5 --csv closed.csv\n";
+                 "      --budgets 0.1,0.3,0.5 --samples 200 -o closed.h5 --csv closed.csv\n"
+                 "  kvcap eval --model ~/.cache/kvscope/models/smollm2-135m-instruct --task passkey \\\n"
+                 "      --length 512 --samples 20 --policies snapkv,streamingllm --budgets 0.05,0.2\n";
     return 0;
   }
   for (const char* required : {"model", "policies"})
@@ -118,57 +134,122 @@ int eval_command(const std::vector<std::string>& args) {
     return fail(e.what());
   }
 
+  const bool text_task = vm.count("task") > 0;
+  const int length = vm["length"].as<int>();
   std::vector<closedloop::HeldoutSample> samples;
-  try {
-    samples = closedloop::load_heldout(model_dir);
-  } catch (const closedloop::EvalError& e) {
-    return fail(e.what());
-  }
-  if (static_cast<std::size_t>(n) > samples.size()) {
-    return fail("--samples " + std::to_string(n) + " but " + model_dir + "/heldout.json has only " +
-                std::to_string(samples.size()) +
-                " (export more with kvscope.tinyvlm.export_samples --count)");
-  }
-  if (seed != 0) {  // seeded subset: Fisher-Yates prefix with splitmix64
-    runner::SplitMix64 rng(seed);
-    for (int i = 0; i < n; ++i) {
-      const std::size_t j =
-          static_cast<std::size_t>(i) + rng.uniform(samples.size() - static_cast<std::size_t>(i));
-      std::swap(samples[static_cast<std::size_t>(i)], samples[j]);
+  closedloop::Haystack haystack;
+  if (text_task) {
+    try {
+      closedloop::check_task_name(vm["task"].as<std::string>());
+      if (length < closedloop::kMinTaskLength || length > closedloop::kMaxTaskLength) {
+        return fail("--length " + std::to_string(length) + " out of range (" +
+                    std::to_string(closedloop::kMinTaskLength) + " .. " +
+                    std::to_string(closedloop::kMaxTaskLength) + " tokens)");
+      }
+      haystack =
+          closedloop::load_haystack(vm.count("haystack") ? vm["haystack"].as<std::vector<std::string>>()
+                                                         : closedloop::default_haystack_paths());
+    } catch (const closedloop::TaskError& e) {
+      return fail(e.what());
     }
+  } else {
+    try {
+      samples = closedloop::load_heldout(model_dir);
+    } catch (const closedloop::EvalError& e) {
+      return fail(e.what());
+    }
+    if (static_cast<std::size_t>(n) > samples.size()) {
+      return fail("--samples " + std::to_string(n) + " but " + model_dir + "/heldout.json has only " +
+                  std::to_string(samples.size()) +
+                  " (export more with kvscope.tinyvlm.export_samples --count)");
+    }
+    if (seed != 0) {  // seeded subset: Fisher-Yates prefix with splitmix64
+      runner::SplitMix64 rng(seed);
+      for (int i = 0; i < n; ++i) {
+        const std::size_t j =
+            static_cast<std::size_t>(i) + rng.uniform(samples.size() - static_cast<std::size_t>(i));
+        std::swap(samples[static_cast<std::size_t>(i)], samples[j]);
+      }
+    }
+    samples.resize(static_cast<std::size_t>(n));
   }
-  samples.resize(static_cast<std::size_t>(n));
   closedloop::set_threads(threads);
 
   try {
     runner::Model model = runner::Model::load(model_dir);
+    // Text tasks: the model folder's tokenizer and chat template build the prompts.
+    std::shared_ptr<const runner::Tokenizer> tokenizer;
+    std::vector<closedloop::Reference> task_refs;
+    if (text_task) {
+      if (model.config().has_vision()) {
+        return fail("--task needs a text model (LlamaForCausalLM); " + model_dir +
+                    " is the tiny VLM (drop --task to use its heldout.json)");
+      }
+      tokenizer = runner::load_tokenizer(model_dir);
+      const runner::ChatTemplate chat = runner::ChatTemplate::load(model_dir);
+      const closedloop::TokenCounter count = [&](const std::string& t) {
+        return t.empty() ? 0 : static_cast<int>(tokenizer->encode(t).size());
+      };
+      const std::vector<closedloop::TaskSample> task_samples =
+          closedloop::make_task_samples(vm["task"].as<std::string>(), length, n, seed, haystack, count);
+      for (const auto& ts : task_samples) {
+        task_refs.push_back(closedloop::make_task_reference(model, *tokenizer, chat, ts));
+        closedloop::HeldoutSample h;  // for the answers CSV
+        h.index = ts.index;
+        h.family = closedloop::family_index("text-only");
+        h.question = ts.user;
+        h.answer = ts.answer;
+        samples.push_back(std::move(h));
+      }
+    }
     const std::size_t total = (points.size() + 1) * samples.size();
     ProgressBar bar("eval", total, !vm.count("quiet"));
-    const auto t0 = std::chrono::steady_clock::now();
-    const std::vector<closedloop::Reference> refs = closedloop::make_references(model, samples, max_new);
-    closedloop::EvalRunInfo info;
-    info.model = model_dir;
-    info.samples = n;
-    info.max_new = max_new;
-    info.seed = seed;
-    info.reference_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    std::size_t done = samples.size();
-    bar.update(done);
-    std::vector<closedloop::PointStats> stats;
+    std::vector<closedloop::EvalPoint> eval_points;
     for (const auto& sp : points) {
       closedloop::EvalPoint ep;
       ep.spec = sp.policy;
       ep.policy = sp.policy.name;
       ep.budget_spec = sp.budget;
       ep.budget = sp.budget.text.empty() ? "-" : sp.budget.text;
-      stats.push_back(closedloop::evaluate_point(
-          model, ep, samples, refs, max_new, [&](int k) { bar.update(done + static_cast<std::size_t>(k)); }));
-      done += samples.size();
+      eval_points.push_back(std::move(ep));
     }
+    closedloop::EvalRunInfo info;
+    info.model = model_dir;
+    info.samples = n;
+    info.max_new = max_new;
+    info.seed = seed;
+    if (text_task) {
+      info.task = vm["task"].as<std::string>();
+      info.length = length;
+    }
+    std::vector<closedloop::PointStats> stats;
+    const auto t0 = std::chrono::steady_clock::now();
+    if (vm.count("per-point-prefill")) {
+      std::vector<closedloop::Reference> refs =
+          text_task ? task_refs : closedloop::make_references(model, samples, 0);
+      for (auto& r : refs) r.run = closedloop::run_sample(model, r.prompt, nullptr, max_new);
+      info.reference_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      std::size_t done = samples.size();
+      bar.update(done);
+      for (const auto& ep : eval_points) {
+        stats.push_back(closedloop::evaluate_point(
+            model, ep, refs, max_new, [&](int k) { bar.update(done + static_cast<std::size_t>(k)); }));
+        done += samples.size();
+      }
+    } else {
+      std::vector<closedloop::Reference> refs =
+          text_task ? std::move(task_refs) : closedloop::make_references(model, samples, 0);
+      stats = closedloop::evaluate_shared(model, eval_points, refs, max_new,
+                                          [&](std::size_t k) { bar.update(k); });
+      for (const auto& r : refs) info.reference_seconds += r.run.seconds;
+    }
+    const double total_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     bar.finish();
     closedloop::write_table(std::cout, stats);
     std::cout << "reference (uncompressed) runs: " << samples.size() << " samples in "
-              << format_seconds(info.reference_seconds) << "\n";
+              << format_seconds(info.reference_seconds) << "; all runs " << format_seconds(total_seconds)
+              << (vm.count("per-point-prefill") ? " (a prefill per run)" : " (one prefill per sample)")
+              << "\n";
     if (vm.count("csv")) closedloop::write_csv(vm["csv"].as<std::string>(), stats);
     if (vm.count("answers")) closedloop::write_answers(vm["answers"].as<std::string>(), samples, stats);
     if (vm.count("output")) closedloop::write_hdf5(vm["output"].as<std::string>(), info, stats);

@@ -34,10 +34,15 @@ def main():
            "h2o,vision-stride,streamingllm", "--budgets", "0.1,0.5", "--kvcap", kvcap, "--kvsim", kvsim,
            "--jobs", "2", "--workdir", os.path.join(work, "run"), "--doc", doc, "--img-dir", img,
            "--points-csv", os.path.join(work, "points.csv"), "-q"]
+    # A hand-written real-model section after the generated report survives regeneration.
+    with open(doc, "w") as f:
+        f.write("# old report\n\nstale\n\n## Real model: SmolLM2-135M-Instruct\n\nkept table\n")
     r = subprocess.run(cmd, capture_output=True, text=True)
     check(r.returncode == 0, f"calibrate exit {r.returncode}: {r.stderr}")
 
     text = open(doc).read()
+    check(text.endswith("## Real model: SmolLM2-135M-Instruct\n\nkept table\n") and "stale" not in text,
+          "the real-model section was not kept (or the old report was)")
     check("scripts/calibrate" in text and "--samples 6" in text, "command missing from the report")
     for section in ("## Correlations", "## Points", "## Open-loop vs closed-loop gap",
                     "## Collapse flags against truth", "## Conclusion"):

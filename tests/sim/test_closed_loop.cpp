@@ -251,8 +251,8 @@ TEST_F(ClosedLoop, VisionEvictionHurtsVisionQuestionsMoreThanTextOnly) {
   const auto refs = closedloop::make_references(model, samples, 10);
   // vision-stride at 1%: text and special tokens are protected, every vision token is evicted in every layer.
   const closedloop::EvalPoint p = point("vision-stride@0.01");
-  const closedloop::PointStats full = closedloop::evaluate_point(model, point("full"), samples, refs, 10);
-  const closedloop::PointStats blind = closedloop::evaluate_point(model, p, samples, refs, 10);
+  const closedloop::PointStats full = closedloop::evaluate_point(model, point("full"), refs, 10);
+  const closedloop::PointStats blind = closedloop::evaluate_point(model, p, refs, 10);
   const double vision_drop =
       (full.family_accuracy[0] + full.family_accuracy[1] + full.family_accuracy[2]) / 3 -
       (blind.family_accuracy[0] + blind.family_accuracy[1] + blind.family_accuracy[2]) / 3;
@@ -267,3 +267,43 @@ TEST_F(ClosedLoop, VisionEvictionHurtsVisionQuestionsMoreThanTextOnly) {
 }
 
 }  // namespace
+
+// Sample-outer evaluation (one uncompressed prefill per sample, reused by every point) gives the same
+// results as a prefill per run: accuracy, KL, agreement, bytes and the generated answers, for prefill-mode,
+// merging, quantizing and decode-time policies.
+TEST_F(ClosedLoop, SharedPrefillEqualsPerPointPrefill) {
+  std::vector<closedloop::HeldoutSample> samples(
+      samples_->begin(), samples_->begin() + std::min<std::size_t>(8, samples_->size()));
+  const std::vector<closedloop::Reference> refs = closedloop::make_references(*model_, samples, 6);
+  std::vector<closedloop::Reference> shared_refs = closedloop::make_references(*model_, samples, 0);
+  std::vector<closedloop::EvalPoint> points;
+  for (const char* p : {"full", "h2o@0.3", "snapkv@0.2", "int4", "tova~decode:2@0.5", "streamingllm@0.1"})
+    points.push_back(point(p));
+  std::size_t calls = 0;
+  const std::vector<closedloop::PointStats> shared =
+      closedloop::evaluate_shared(*model_, points, shared_refs, 6, [&](std::size_t) { ++calls; });
+  EXPECT_EQ(calls, samples.size() * (points.size() + 1));
+  ASSERT_EQ(shared.size(), points.size());
+  for (std::size_t i = 0; i < refs.size(); ++i) {
+    EXPECT_EQ(shared_refs[i].run.tokens, refs[i].run.tokens) << "sample " << i;
+    EXPECT_EQ(shared_refs[i].run.logits, refs[i].run.logits) << "sample " << i;
+  }
+  bool any_differs = false;
+  for (std::size_t k = 0; k < points.size(); ++k) {
+    const closedloop::PointStats per = closedloop::evaluate_point(*model_, points[k], refs, 6);
+    const closedloop::PointStats& sh = shared[k];
+    const std::string what = points[k].policy + "@" + points[k].budget;
+    EXPECT_EQ(sh.accuracy, per.accuracy) << what;
+    EXPECT_EQ(sh.kl, per.kl) << what;
+    EXPECT_EQ(sh.agreement, per.agreement) << what;
+    EXPECT_EQ(sh.keep, per.keep) << what;
+    EXPECT_EQ(sh.bytes_end, per.bytes_end) << what;
+    EXPECT_EQ(sh.bytes_peak, per.bytes_peak) << what;
+    EXPECT_EQ(sh.bytes_end_modality, per.bytes_end_modality) << what;
+    EXPECT_EQ(sh.bytes_match, per.bytes_match) << what;
+    EXPECT_EQ(sh.family_samples, per.family_samples) << what;
+    EXPECT_EQ(sh.generated, per.generated) << what;
+    any_differs = any_differs || per.agreement < 1.0 || per.kl > 0;
+  }
+  EXPECT_TRUE(any_differs) << "no point changed the answers: the comparison proves nothing";
+}

@@ -8,6 +8,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
+#include "kvscope/closedloop/tasks.hpp"
 #include "kvscope/runner/image.hpp"
 
 namespace kvscope::closedloop {
@@ -48,23 +49,14 @@ std::vector<HeldoutSample> load_heldout(const std::string& model_dir) {
   return out;
 }
 
-RunResult run_sample(runner::Model& model, const runner::Prompt& prompt, ClosedLoopHook* hook, int max_new,
-                     const std::vector<std::int32_t>* forced) {
-  const auto t0 = std::chrono::steady_clock::now();
+namespace {
+
+// The decode loop after prefill (shared by run_sample and run_from_prefill): greedy or forced.
+void decode_loop(runner::Model& model, const runner::Prompt& prompt, runner::KvCache& cache,
+                 std::vector<float>& logits, ClosedLoopHook* hook, int max_new,
+                 const std::vector<std::int32_t>* forced, RunResult& r) {
   const auto& cfg = model.config();
   const int d = cfg.hidden_size;
-  RunResult r;
-  runner::KvCache cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim);
-  std::vector<float> logits;
-  {
-    const std::vector<float> x = model.embed(prompt);
-    runner::ForwardRequest req;
-    req.x = x.data();
-    req.tokens = prompt.tokens.data();
-    req.num_tokens = prompt.size();
-    model.backend().forward(req, cache, hook, logits);
-  }
-  if (hook) hook->after_prefill(cache, prompt.tokens);
   const int n_images = static_cast<int>(prompt.images.size());
   const int limit = forced ? static_cast<int>(forced->size()) : max_new;
   int step = 0;
@@ -91,6 +83,91 @@ RunResult run_sample(runner::Model& model, const runner::Prompt& prompt, ClosedL
     ++step;
   }
   if (hook) r.held_bytes = hook->held_bytes(cache);
+}
+
+// Records each layer's prefill queries [Hq, T, D] contiguously.
+class QueryRecorder : public runner::RunObserver {
+ public:
+  explicit QueryRecorder(std::vector<std::vector<float>>& q) : q_(q) {}
+  void on_prefill_layer(int layer, const runner::TensorRef& q, const runner::TensorRef&,
+                        const runner::TensorRef&) override {
+    if (layer < 0) return;
+    if (static_cast<std::size_t>(layer) >= q_.size()) q_.resize(static_cast<std::size_t>(layer) + 1);
+    std::vector<float>& out = q_[static_cast<std::size_t>(layer)];
+    out.resize(static_cast<std::size_t>(q.shape[0] * q.shape[1] * q.shape[2]));
+    std::size_t i = 0;
+    for (std::int64_t h = 0; h < q.shape[0]; ++h)
+      for (std::int64_t t = 0; t < q.shape[1]; ++t)
+        for (std::int64_t e = 0; e < q.shape[2]; ++e) out[i++] = q.at(h, t, e);
+  }
+
+ private:
+  std::vector<std::vector<float>>& q_;
+};
+
+}  // namespace
+
+RunResult run_sample(runner::Model& model, const runner::Prompt& prompt, ClosedLoopHook* hook, int max_new,
+                     const std::vector<std::int32_t>* forced) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto& cfg = model.config();
+  RunResult r;
+  runner::KvCache cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim);
+  std::vector<float> logits;
+  {
+    const std::vector<float> x = model.embed(prompt);
+    runner::ForwardRequest req;
+    req.x = x.data();
+    req.tokens = prompt.tokens.data();
+    req.num_tokens = prompt.size();
+    model.backend().forward(req, cache, hook, logits);
+  }
+  if (hook) hook->after_prefill(cache, prompt.tokens);
+  decode_loop(model, prompt, cache, logits, hook, max_new, forced, r);
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return r;
+}
+
+Prefill run_prefill(runner::Model& model, const runner::Prompt& prompt) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto& cfg = model.config();
+  Prefill p;
+  p.cache = runner::KvCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim);
+  p.q.resize(static_cast<std::size_t>(cfg.num_layers));
+  QueryRecorder rec(p.q);
+  const std::vector<float> x = model.embed(prompt);
+  runner::ForwardRequest req;
+  req.x = x.data();
+  req.tokens = prompt.tokens.data();
+  req.num_tokens = prompt.size();
+  model.backend().forward(req, p.cache, &rec, p.logits);
+  p.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return p;
+}
+
+RunResult run_from_prefill(runner::Model& model, const runner::Prompt& prompt, const Prefill& prefill,
+                           ClosedLoopHook* hook, int max_new, const std::vector<std::int32_t>* forced) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto& cfg = model.config();
+  RunResult r;
+  runner::KvCache cache = prefill.cache;
+  std::vector<float> logits = prefill.logits;
+  if (hook) {
+    const std::int64_t T = prompt.size(), D = cfg.head_dim;
+    for (int l = 0; l < cfg.num_layers; ++l) {
+      runner::TensorRef q, none;
+      q.data = prefill.q[static_cast<std::size_t>(l)].data();
+      q.shape[0] = cfg.num_q_heads;
+      q.shape[1] = T;
+      q.shape[2] = D;
+      q.stride[0] = T * D;
+      q.stride[1] = D;
+      q.stride[2] = 1;
+      hook->on_prefill_layer(l, q, none, none);
+    }
+    hook->after_prefill(cache, prompt.tokens);
+  }
+  decode_loop(model, prompt, cache, logits, hook, max_new, forced, r);
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return r;
 }
@@ -122,79 +199,166 @@ std::vector<Reference> make_references(runner::Model& model, const std::vector<H
     r.prompt = model.build_prompt(images, s.question);
     r.answer_ids = model.tokenizer().encode(s.answer);
     r.answer_ids.push_back(model.config().eos_token_id);
-    r.run = run_sample(model, r.prompt, nullptr, max_new);
+    r.family = s.family;
+    if (max_new > 0) r.run = run_sample(model, r.prompt, nullptr, max_new);
     refs.push_back(std::move(r));
   }
   return refs;
 }
 
-PointStats evaluate_point(runner::Model& model, const EvalPoint& point,
-                          const std::vector<HeldoutSample>& samples, const std::vector<Reference>& refs,
-                          int max_new, const std::function<void(int)>& progress) {
-  const auto t0 = std::chrono::steady_clock::now();
+Reference make_task_reference(runner::Model& model, const runner::Tokenizer& tokenizer,
+                              const runner::ChatTemplate& chat, const TaskSample& sample) {
+  Reference r;
+  const std::string text = chat.render({{"user", sample.user}}, true) + sample.answer_prefix;
+  r.prompt = model.build_prompt_from_ids(tokenizer.encode(text));
+  r.answer_ids = tokenizer.encode(" " + sample.answer);
+  r.answer_ids.push_back(model.config().eos_token_id);
+  r.answer_text = sample.answer;
+  r.tokenizer = &tokenizer;
+  r.family = family_index("text-only");
+  return r;
+}
+
+namespace {
+
+// Running sums of one point.
+struct Sums {
+  std::array<int, 4> hits{};
+  int total_hits = 0, agree = 0;
+  double kl_sum = 0, keep_sum = 0, seconds = 0;
+};
+
+PointStats start_point(const EvalPoint& point) {
   PointStats st;
   st.policy = point.policy;
   st.budget = point.budget;
-  std::array<int, 4> hits{};
-  int total_hits = 0, agree = 0;
-  double kl_sum = 0, keep_sum = 0;
+  return st;
+}
+
+// Adds one sample's run (and, when it differs from the reference, the teacher-forced run `forced_run`
+// makes) to the point.
+void add_sample(runner::Model& model, const Reference& ref, const ClosedLoopHook& hook, const RunResult& run,
+                const std::function<RunResult()>& forced_run, PointStats& st, Sums& sums) {
   const auto& cfg = model.config();
   const std::int64_t token_bytes = 2ll * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4;
-  for (std::size_t i = 0; i < refs.size(); ++i) {
-    const Reference& ref = refs[i];
-    ClosedLoopHook hook(point.spec, point.budget_spec, cfg);
-    RunResult run = run_sample(model, ref.prompt, &hook, max_new);
-    const CacheBytes pred = hook.predicted_bytes();
-    if (run.held_bytes != pred.total) st.bytes_match = false;
-    st.bytes_end += static_cast<double>(pred.total);
-    for (std::size_t m = 0; m < 4; ++m) st.bytes_end_modality[m] += static_cast<double>(pred.modality[m]);
-    st.bytes_peak += static_cast<double>(hook.peak_bytes());
-    st.bytes_full_end += static_cast<double>(token_bytes * (ref.prompt.size() + hook.decode_steps()));
-    keep_sum += hook.keep();
-    st.warnings += hook.warnings().empty() ? 0 : 1;
-    std::string text;
+  const CacheBytes pred = hook.predicted_bytes();
+  if (run.held_bytes != pred.total) st.bytes_match = false;
+  st.bytes_end += static_cast<double>(pred.total);
+  for (std::size_t m = 0; m < 4; ++m) st.bytes_end_modality[m] += static_cast<double>(pred.modality[m]);
+  st.bytes_peak += static_cast<double>(hook.peak_bytes());
+  st.bytes_full_end += static_cast<double>(token_bytes * (ref.prompt.size() + hook.decode_steps()));
+  sums.keep_sum += hook.keep();
+  st.warnings += hook.warnings().empty() ? 0 : 1;
+  std::string text;
+  bool correct = false;
+  if (ref.answer_text.empty()) {
     for (const std::int32_t t : run.tokens) text += (text.empty() ? "" : " ") + model.tokenizer().text(t);
-    st.generated.push_back(std::move(text));
-    const int fam = samples[i].family;
-    ++st.family_samples[static_cast<std::size_t>(fam)];
-    if (run.tokens == ref.answer_ids) {
-      ++hits[static_cast<std::size_t>(fam)];
-      ++total_hits;
-    }
-    // KL at the reference's positions 1 .. n-1 (position 0 is chosen from the full prefill in both runs).
-    const std::vector<std::int32_t>& rt = ref.run.tokens;
-    const bool same = run.tokens == rt;
-    agree += same ? 1 : 0;
-    if (rt.size() > 1) {
-      RunResult forced;
-      if (!same) {
-        ClosedLoopHook fhook(point.spec, point.budget_spec, cfg);
-        forced = run_sample(model, ref.prompt, &fhook, max_new, &rt);
-      }
-      const RunResult& cmp = same ? run : forced;
-      double kl = 0;
-      for (std::size_t j = 1; j < rt.size(); ++j) kl += next_token_kl(ref.run.logits[j], cmp.logits[j]);
-      kl_sum += kl / static_cast<double>(rt.size() - 1);
-    }
-    if (progress) progress(static_cast<int>(i) + 1);
+    correct = run.tokens == ref.answer_ids;
+  } else {
+    text = (ref.tokenizer ? *ref.tokenizer : model.tokenizer()).decode(run.tokens);
+    correct = answer_matches(text, ref.answer_text);
   }
-  const double n = static_cast<double>(std::max<std::size_t>(1, refs.size()));
-  st.samples = static_cast<int>(refs.size());
-  st.accuracy = total_hits / n;
+  st.generated.push_back(std::move(text));
+  st.correct.push_back(correct ? 1 : 0);
+  const auto fam = static_cast<std::size_t>(ref.family);
+  ++st.family_samples[fam];
+  if (correct) {
+    ++sums.hits[fam];
+    ++sums.total_hits;
+  }
+  // KL at the reference's positions 1 .. n-1 (position 0 is chosen from the full prefill in both runs).
+  const std::vector<std::int32_t>& rt = ref.run.tokens;
+  const bool same = run.tokens == rt;
+  sums.agree += same ? 1 : 0;
+  if (rt.size() > 1) {
+    RunResult forced;
+    if (!same) forced = forced_run();
+    const RunResult& cmp = same ? run : forced;
+    double kl = 0;
+    for (std::size_t j = 1; j < rt.size(); ++j) kl += next_token_kl(ref.run.logits[j], cmp.logits[j]);
+    sums.kl_sum += kl / static_cast<double>(rt.size() - 1);
+  }
+}
+
+void finish_point(PointStats& st, const Sums& sums, std::size_t samples) {
+  const double n = static_cast<double>(std::max<std::size_t>(1, samples));
+  st.samples = static_cast<int>(samples);
+  st.accuracy = sums.total_hits / n;
   for (std::size_t f = 0; f < 4; ++f) {
-    st.family_accuracy[f] = st.family_samples[f] ? static_cast<double>(hits[f]) / st.family_samples[f]
+    st.family_accuracy[f] = st.family_samples[f] ? static_cast<double>(sums.hits[f]) / st.family_samples[f]
                                                  : std::numeric_limits<double>::quiet_NaN();
   }
-  st.kl = kl_sum / n;
-  st.agreement = agree / n;
-  st.keep = keep_sum / n;
+  st.kl = sums.kl_sum / n;
+  st.agreement = sums.agree / n;
+  st.keep = sums.keep_sum / n;
   st.bytes_end /= n;
   st.bytes_peak /= n;
   st.bytes_full_end /= n;
   for (auto& b : st.bytes_end_modality) b /= n;
   st.bytes_ratio = st.bytes_full_end > 0 ? st.bytes_end / st.bytes_full_end : 1.0;
+}
+
+}  // namespace
+
+PointStats evaluate_point(runner::Model& model, const EvalPoint& point, const std::vector<Reference>& refs,
+                          int max_new, const std::function<void(int)>& progress) {
+  const auto t0 = std::chrono::steady_clock::now();
+  PointStats st = start_point(point);
+  Sums sums;
+  const auto& cfg = model.config();
+  for (std::size_t i = 0; i < refs.size(); ++i) {
+    const Reference& ref = refs[i];
+    ClosedLoopHook hook(point.spec, point.budget_spec, cfg);
+    const RunResult run = run_sample(model, ref.prompt, &hook, max_new);
+    add_sample(
+        model, ref, hook, run,
+        [&] {
+          ClosedLoopHook fhook(point.spec, point.budget_spec, cfg);
+          return run_sample(model, ref.prompt, &fhook, max_new, &ref.run.tokens);
+        },
+        st, sums);
+    if (progress) progress(static_cast<int>(i) + 1);
+  }
+  finish_point(st, sums, refs.size());
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return st;
+}
+
+std::vector<PointStats> evaluate_shared(runner::Model& model, const std::vector<EvalPoint>& points,
+                                        std::vector<Reference>& refs, int max_new,
+                                        const std::function<void(std::size_t)>& progress) {
+  std::vector<PointStats> stats;
+  for (const auto& p : points) stats.push_back(start_point(p));
+  std::vector<Sums> sums(points.size());
+  const auto& cfg = model.config();
+  std::size_t done = 0;
+  for (Reference& ref : refs) {
+    const Prefill prefill = run_prefill(model, ref.prompt);
+    ref.run = run_from_prefill(model, ref.prompt, prefill, nullptr, max_new);
+    ref.run.seconds += prefill.seconds;
+    if (progress) progress(++done);
+    for (std::size_t k = 0; k < points.size(); ++k) {
+      const EvalPoint& point = points[k];
+      const auto t0 = std::chrono::steady_clock::now();
+      ClosedLoopHook hook(point.spec, point.budget_spec, cfg);
+      const RunResult run = run_from_prefill(model, ref.prompt, prefill, &hook, max_new);
+      add_sample(
+          model, ref, hook, run,
+          [&] {
+            ClosedLoopHook fhook(point.spec, point.budget_spec, cfg);
+            return run_from_prefill(model, ref.prompt, prefill, &fhook, max_new, &ref.run.tokens);
+          },
+          stats[k], sums[k]);
+      stats[k].seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (progress) progress(++done);
+    }
+  }
+  for (std::size_t k = 0; k < points.size(); ++k) {
+    const double secs = stats[k].seconds;
+    finish_point(stats[k], sums[k], refs.size());
+    stats[k].seconds = secs;
+  }
+  return stats;
 }
 
 }  // namespace kvscope::closedloop

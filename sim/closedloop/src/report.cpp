@@ -137,6 +137,10 @@ void write_hdf5(const std::string& path, const EvalRunInfo& info, const std::vec
   int_attr("samples", info.samples);
   int_attr("max_new", info.max_new);
   int_attr("seed", static_cast<long long>(info.seed));
+  if (!info.task.empty()) {
+    string_attr("task", info.task);
+    int_attr("length", info.length);
+  }
   auto strings = [&](const char* name, const std::function<const std::string&(const PointStats&)>& get) {
     std::vector<const char*> v;
     for (const auto& p : points) v.push_back(get(p).c_str());
@@ -185,7 +189,7 @@ void write_answers(const std::string& path, const std::vector<HeldoutSample>& sa
     for (const auto& p : points) {
       for (std::size_t i = 0; i < p.generated.size() && i < samples.size(); ++i) {
         const HeldoutSample& s = samples[i];
-        const bool correct = p.generated[i] == s.answer + " <eos>";
+        const bool correct = i < p.correct.size() ? p.correct[i] != 0 : p.generated[i] == s.answer + " <eos>";
         f << s.index << "," << kFamilies[static_cast<std::size_t>(s.family)] << "," << csv_field(p.policy)
           << "," << csv_field(p.budget) << "," << csv_field(p.generated[i]) << "," << csv_field(s.answer)
           << "," << (correct ? 1 : 0) << "\n";

@@ -11,6 +11,8 @@
 #include <vector>
 
 #include "kvscope/closedloop/hook.hpp"
+#include "kvscope/closedloop/tasks.hpp"
+#include "kvscope/runner/chat_template.hpp"
 #include "kvscope/runner/model.hpp"
 #include "kvscope/sim/policy.hpp"
 
@@ -47,6 +49,23 @@ struct RunResult {
 RunResult run_sample(runner::Model& model, const runner::Prompt& prompt, ClosedLoopHook* hook, int max_new,
                      const std::vector<std::int32_t>* forced = nullptr);
 
+// The uncompressed prefill of one prompt, kept to continue several runs from (sample-outer evaluation): the
+// cache, the logits of the last prompt position and each layer's prefill queries (what ClosedLoopHook
+// observes during prefill).
+struct Prefill {
+  runner::KvCache cache{0, 0, 0};
+  std::vector<float> logits;          // [V]
+  std::vector<std::vector<float>> q;  // [L][Hq * T * D], as the observer sees them ([Hq, T, D])
+  double seconds = 0;
+};
+Prefill run_prefill(runner::Model& model, const runner::Prompt& prompt);
+// Same as run_sample(model, prompt, hook, max_new, forced), continuing from a copy of `prefill`'s cache: the
+// recorded queries are replayed into `hook` (on_prefill_layer with empty k and v) before after_prefill.
+// Results are identical to run_sample's (tested); `seconds` counts the continuation only.
+RunResult run_from_prefill(runner::Model& model, const runner::Prompt& prompt, const Prefill& prefill,
+                           ClosedLoopHook* hook, int max_new,
+                           const std::vector<std::int32_t>* forced = nullptr);
+
 // KL(P_ref || P) of softmax(logits) in double.
 double next_token_kl(const std::vector<float>& ref_logits, const std::vector<float>& logits);
 
@@ -71,22 +90,45 @@ struct PointStats {
   bool bytes_match = true;  // runner-held bytes == kvsim's predicted bytes for every sample
   double seconds = 0;       // wall time of the point
   int warnings = 0;         // samples whose replay warned (budget clamped to the forced set)
-  // Per sample: the generated answer, tokens joined by spaces ("<eos>" included when produced).
+  // Per sample: the generated answer, tokens joined by spaces ("<eos>" included when produced); for text
+  // tasks the decoded continuation of the answer prefix.
   std::vector<std::string> generated;
+  std::vector<std::uint8_t> correct;  // per sample: 1 when the answer matched
 };
 
 // The uncompressed reference of one sample.
 struct Reference {
   runner::Prompt prompt;
   std::vector<std::int32_t> answer_ids;  // dataset answer + <eos>
+  // Text tasks (docs/tasks.md): when non-empty, a run is correct when its decoded text matches this answer
+  // (answer_matches) instead of answer_ids.
+  std::string answer_text;
+  // Decodes generated ids for answer_text (null: the model's tokenizer); not owned.
+  const runner::Tokenizer* tokenizer = nullptr;
+  int family = 0;  // index into kFamilies
   RunResult run;
 };
+// The tiny VLM's held-out samples: prompts and answers; with `run` (max_new > 0) also the uncompressed run.
 std::vector<Reference> make_references(runner::Model& model, const std::vector<HeldoutSample>& samples,
                                        int max_new);
 
-// Runs one point on every reference. `progress(done)` is called after each sample.
-PointStats evaluate_point(runner::Model& model, const EvalPoint& point,
-                          const std::vector<HeldoutSample>& samples, const std::vector<Reference>& refs,
+// A text task's sample (docs/tasks.md) as a reference of the text model: the user message rendered with
+// `chat` (its default system prompt, the assistant turn opened), then the answer prefix, encoded by
+// `tokenizer`; family "text-only"; answer_ids = the encoded " " + answer + EOS (for inspection).
+Reference make_task_reference(runner::Model& model, const runner::Tokenizer& tokenizer,
+                              const runner::ChatTemplate& chat, const TaskSample& sample);
+
+// Runs one point on every reference, each run with its own prefill. `progress(done)` is called after each
+// sample.
+PointStats evaluate_point(runner::Model& model, const EvalPoint& point, const std::vector<Reference>& refs,
                           int max_new, const std::function<void(int)>& progress = {});
+
+// Sample-outer evaluation: per sample ONE uncompressed prefill (run_prefill), from which the reference run
+// (filling refs[i].run) and every point's runs continue. Results equal evaluate_point's per point (tested)
+// except `seconds`, which counts each point's continuations only. `progress(done)` is called after each run
+// (points.size() + 1 per sample).
+std::vector<PointStats> evaluate_shared(runner::Model& model, const std::vector<EvalPoint>& points,
+                                        std::vector<Reference>& refs, int max_new,
+                                        const std::function<void(std::size_t)>& progress = {});
 
 }  // namespace kvscope::closedloop

@@ -14,6 +14,8 @@ struct EvalRunInfo {
   int samples = 0, max_new = 0;
   unsigned long long seed = 0;
   double reference_seconds = 0;  // uncompressed reference runs
+  std::string task;              // text task (docs/tasks.md); "" for the tiny VLM's heldout.json
+  int length = 0;                // the task's requested tokens
 };
 
 void write_table(std::ostream& os, const std::vector<PointStats>& points);

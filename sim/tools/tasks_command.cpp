@@ -1,0 +1,104 @@
+// kvcap tasks: writes the long-context task prompts of kvscope::closedloop (docs/tasks.md) as JSON lines,
+// for inspection and for scoring them with another runtime (scripts/task_accuracy.py runs them with HF).
+#include <boost/program_options.hpp>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "kvscope/closedloop/eval_command.hpp"
+#include "kvscope/closedloop/tasks.hpp"
+#include "kvscope/runner/error.hpp"
+#include "kvscope/runner/tokenizer.hpp"
+
+namespace po = boost::program_options;
+
+namespace kvscope::cli {
+
+namespace {
+
+int tasks_fail(const std::string& msg) {
+  std::cerr << "kvcap tasks: " << msg << "\n";
+  return 2;
+}
+
+}  // namespace
+
+int tasks_command(const std::vector<std::string>& args) {
+  po::options_description opts(
+      "kvcap tasks --task NAME [--length N] [--samples N] [--seed S] [-o FILE]\n\n"
+      "Writes long-context task prompts (docs/tasks.md) as JSON lines, one sample a line: task, length,\n"
+      "seed, index, user (the user message), answer_prefix (pre-filled assistant text), answer, "
+      "needle_char,\n"
+      "needle_token, depth, tokens. Tasks: " +
+      closedloop::task_names_list() +
+      ".\n"
+      "Lengths count tokens of --model's tokenizer (tokenizer.json), else 4.8 bytes a token (approximate).\n"
+      "With --model the prompts are exactly those kvcap eval --task builds for that model.\n\nOptions");
+  opts.add_options()("help,h", "show this help")("task", po::value<std::string>(), "task name")(
+      "length", po::value<int>()->default_value(1024), "tokens of the user message (512 .. 4096)")(
+      "samples", po::value<int>()->default_value(100), "number of samples")(
+      "seed", po::value<unsigned long long>()->default_value(1), "generator seed")(
+      "haystack", po::value<std::vector<std::string>>(),
+      "prose files or directories (repeatable; default /usr/share/common-licenses)")(
+      "model", po::value<std::string>(), "model folder whose tokenizer counts the tokens")(
+      "output,o", po::value<std::string>(), "JSON-lines file (default: stdout)");
+  po::variables_map vm;
+  try {
+    po::store(po::command_line_parser(args).options(opts).run(), vm);
+    po::notify(vm);
+  } catch (const po::error& e) {
+    return tasks_fail(std::string(e.what()) + " (see kvcap tasks --help)");
+  }
+  if (vm.count("help")) {
+    std::cout << opts
+              << "\nExample:\n  kvcap tasks --task passkey --length 1024 --samples 100 -o passkey.jsonl\n";
+    return 0;
+  }
+  if (!vm.count("task")) return tasks_fail("missing --task (valid: " + closedloop::task_names_list() + ")");
+  std::vector<closedloop::TaskSample> samples;
+  try {
+    const std::vector<std::string> paths = vm.count("haystack")
+                                               ? vm["haystack"].as<std::vector<std::string>>()
+                                               : closedloop::default_haystack_paths();
+    const std::string task = vm["task"].as<std::string>();
+    closedloop::check_task_name(task);
+    const closedloop::Haystack hay = closedloop::load_haystack(paths);
+    std::shared_ptr<const runner::Tokenizer> tokenizer;
+    closedloop::TokenCounter count = closedloop::approx_token_count;
+    if (vm.count("model")) {
+      tokenizer = runner::load_tokenizer(vm["model"].as<std::string>());
+      count = [&](const std::string& t) {
+        return t.empty() ? 0 : static_cast<int>(tokenizer->encode(t).size());
+      };
+    }
+    samples = closedloop::make_task_samples(task, vm["length"].as<int>(), vm["samples"].as<int>(),
+                                            vm["seed"].as<unsigned long long>(), hay, count);
+  } catch (const closedloop::TaskError& e) {
+    return tasks_fail(e.what());
+  } catch (const runner::RunnerError& e) {
+    return tasks_fail(e.what());
+  }
+  std::ofstream file;
+  if (vm.count("output")) {
+    file.open(vm["output"].as<std::string>());
+    if (!file) return tasks_fail(vm["output"].as<std::string>() + ": cannot be written");
+  }
+  std::ostream& os = vm.count("output") ? file : std::cout;
+  for (const auto& s : samples) {
+    const nlohmann::json j = {{"task", s.task},
+                              {"length", s.length},
+                              {"seed", s.seed},
+                              {"index", s.index},
+                              {"user", s.user},
+                              {"answer_prefix", s.answer_prefix},
+                              {"answer", s.answer},
+                              {"needle_char", s.needle_char},
+                              {"needle_token", s.needle_token},
+                              {"depth", s.depth},
+                              {"tokens", s.tokens}};
+    os << j.dump() << "\n";
+  }
+  return os ? 0 : tasks_fail("write failed");
+}
+
+}  // namespace kvscope::cli

@@ -1,0 +1,211 @@
+// Long-context tasks (kvscope/closedloop/tasks.hpp, docs/tasks.md): determinism, the answer hidden exactly
+// once at the stated depth, lengths, bad input.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <set>
+#include <sstream>
+
+#include "kvscope/closedloop/tasks.hpp"
+
+namespace fs = std::filesystem;
+using namespace kvscope::closedloop;
+
+namespace {
+
+const Haystack& licenses() {
+  static const Haystack h = load_haystack(default_haystack_paths());
+  return h;
+}
+
+bool have_licenses() { return fs::is_directory("/usr/share/common-licenses"); }
+
+// A counter different from the approximate one: whitespace-separated words.
+int word_count(const std::string& text) {
+  std::istringstream in(text);
+  std::string w;
+  int n = 0;
+  while (in >> w) ++n;
+  return n;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const TaskError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+class Tasks : public testing::Test {
+ protected:
+  void SetUp() override {
+    if (!have_licenses()) GTEST_SKIP() << "needs /usr/share/common-licenses (Debian's base-files package)";
+  }
+};
+
+TEST_F(Tasks, HaystackIsRealProseFromEveryLicenseFile) {
+  const Haystack& h = licenses();
+  EXPECT_GE(h.files.size(), 10u);
+  EXPECT_GT(h.sentences.size(), 1000u);
+  std::set<std::string> distinct(h.sentences.begin(), h.sentences.end());
+  EXPECT_GT(distinct.size(), h.sentences.size() / 2) << "the prose is mostly repeated";
+  for (const auto& f : h.files)
+    EXPECT_FALSE(fs::is_symlink(f)) << f << " (symlinks are read via their target)";
+  for (const auto& s : h.sentences) {
+    EXPECT_GE(s.size(), 20u);
+    EXPECT_LE(s.size(), 600u);
+    EXPECT_EQ(s.find('\n'), std::string::npos);
+  }
+}
+
+TEST_F(Tasks, SameSeedSamePromptsDifferentSeedsDiffer) {
+  for (const char* task : kTaskNames) {
+    const auto a = make_task_samples(task, 1024, 5, 7, licenses(), approx_token_count);
+    const auto b = make_task_samples(task, 1024, 5, 7, licenses(), approx_token_count);
+    const auto c = make_task_samples(task, 1024, 5, 8, licenses(), approx_token_count);
+    ASSERT_EQ(a.size(), 5u);
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      EXPECT_EQ(a[i].user, b[i].user) << task << " " << i;
+      EXPECT_EQ(a[i].answer, b[i].answer) << task << " " << i;
+      EXPECT_EQ(a[i].needle_char, b[i].needle_char) << task << " " << i;
+      EXPECT_NE(a[i].user, c[i].user) << task << " " << i;
+      EXPECT_EQ(a[i].task, task);
+      EXPECT_EQ(a[i].seed, 7u);
+      EXPECT_EQ(a[i].index, static_cast<int>(i));
+    }
+    EXPECT_NE(a[0].user, a[1].user) << task;
+    // Sample i does not depend on how many are drawn.
+    const auto one = make_task_samples(task, 1024, 3, 7, licenses(), approx_token_count);
+    EXPECT_EQ(one[2].user, a[2].user) << task;
+  }
+}
+
+TEST_F(Tasks, AnswerOccursOnceAtTheStatedDepth) {
+  for (const char* task : kTaskNames) {
+    double min_depth = 1, max_depth = 0;
+    for (const auto& s : make_task_samples(task, 512, 40, 3, licenses(), approx_token_count)) {
+      EXPECT_EQ(count_word(s.user, s.answer), 1) << task << " " << s.index;
+      ASSERT_LT(s.needle_char + s.answer.size(), s.user.size());
+      EXPECT_EQ(s.user.substr(s.needle_char, s.answer.size()), s.answer) << task << " " << s.index;
+      EXPECT_DOUBLE_EQ(s.depth, static_cast<double>(s.needle_char) / static_cast<double>(s.user.size()));
+      EXPECT_EQ(s.needle_token, approx_token_count(s.user.substr(0, s.needle_char)));
+      EXPECT_FALSE(s.answer_prefix.empty());
+      EXPECT_NE(s.answer_prefix.back(), ' ') << "the answer's tokens start with their space";
+      min_depth = std::min(min_depth, s.depth);
+      max_depth = std::max(max_depth, s.depth);
+    }
+    EXPECT_LT(min_depth, 0.25) << task << ": needles are not spread over the context";
+    EXPECT_GT(max_depth, 0.75) << task << ": needles are not spread over the context";
+  }
+}
+
+TEST_F(Tasks, TaskStructure) {
+  for (const auto& s : make_task_samples("passkey", 512, 5, 1, licenses(), approx_token_count)) {
+    EXPECT_NE(s.user.find("The pass key is " + s.answer + "."), std::string::npos);
+    EXPECT_TRUE(std::regex_match(s.answer, std::regex("[1-9][0-9]{4}")));
+    EXPECT_EQ(s.answer_prefix, "The pass key is");
+  }
+  for (const auto& s : make_task_samples("needle", 512, 5, 1, licenses(), approx_token_count)) {
+    EXPECT_NE(s.user.find(s.answer_prefix + " " + s.answer + "."), std::string::npos);
+    const std::string subject = s.answer_prefix.substr(0, s.answer_prefix.find(" is"));
+    EXPECT_NE(s.user.find("What is " + subject + "?"), std::string::npos) << s.answer_prefix;
+  }
+  for (const auto& s : make_task_samples("multikey", 512, 5, 1, licenses(), approx_token_count)) {
+    const std::regex fact("The special number for the [a-z]+ is ([0-9]{5})\\.");
+    std::set<std::string> numbers;
+    for (auto it = std::sregex_iterator(s.user.begin(), s.user.end(), fact); it != std::sregex_iterator();
+         ++it)
+      numbers.insert((*it)[1]);
+    EXPECT_EQ(numbers.size(), 4u) << "four distinct keys";
+    EXPECT_EQ(numbers.count(s.answer), 1u);
+  }
+  for (const auto& s : make_task_samples("vartrack", 512, 10, 1, licenses(), approx_token_count)) {
+    const std::smatch m = [&] {
+      std::smatch r;
+      std::regex_search(s.user, r,
+                        std::regex("Variable ([A-Za-z]+) has the same value as variable ([A-Za-z]+)\\."));
+      return r;
+    }();
+    ASSERT_EQ(m.size(), 3u);
+    EXPECT_EQ(s.answer_prefix, "The value of variable " + m[1].str() + " is");
+    const std::string def = "The value of variable " + m[2].str() + " is " + s.answer + ".";
+    const std::size_t at = s.user.find(def);
+    ASSERT_NE(at, std::string::npos);
+    EXPECT_LT(at, static_cast<std::size_t>(m.position(0))) << "the value is defined before the alias";
+  }
+}
+
+TEST_F(Tasks, LengthsWithinThreePercentBelowTheRequest) {
+  for (const char* task : kTaskNames) {
+    for (int length : {512, 1024, 2048, 4096}) {
+      for (const auto& s : make_task_samples(task, length, 3, 11, licenses(), approx_token_count)) {
+        EXPECT_EQ(s.tokens, approx_token_count(s.user));
+        EXPECT_LE(s.tokens, length) << task << " " << length;
+        EXPECT_GE(s.tokens, length * 0.97) << task << " " << length;
+      }
+    }
+  }
+  // The caller's counter decides the length.
+  for (const auto& s : make_task_samples("passkey", 1024, 3, 11, licenses(), word_count)) {
+    EXPECT_LE(word_count(s.user), 1024);
+    EXPECT_GE(word_count(s.user), 1000);
+  }
+}
+
+TEST_F(Tasks, BadInput) {
+  const std::string unknown =
+      error_of([] { make_task_samples("nope", 1024, 1, 1, licenses(), approx_token_count); });
+  EXPECT_NE(unknown.find("unknown task 'nope'"), std::string::npos) << unknown;
+  EXPECT_NE(unknown.find("passkey, needle, multikey, vartrack"), std::string::npos) << unknown;
+  for (int bad : {0, 511, 4097, 100000}) {
+    const std::string e =
+        error_of([&] { make_task_samples("passkey", bad, 1, 1, licenses(), approx_token_count); });
+    EXPECT_NE(e.find("out of range (512 .. 4096 tokens)"), std::string::npos) << e;
+  }
+  const std::string few =
+      error_of([] { make_task_samples("passkey", 1024, 0, 1, licenses(), approx_token_count); });
+  EXPECT_NE(few.find("samples must be >= 1"), std::string::npos) << few;
+  const std::string missing = error_of([] { load_haystack({"/nonexistent/licenses"}); });
+  EXPECT_NE(missing.find("haystack /nonexistent/licenses not found"), std::string::npos) << missing;
+  EXPECT_NE(missing.find("base-files"), std::string::npos) << missing;
+  const fs::path empty = fs::temp_directory_path() / ("kvscope_tasks_empty_" + std::to_string(::getpid()));
+  fs::create_directories(empty);
+  std::ofstream(empty / "short.txt") << "too short.\n";
+  const std::string none = error_of([&] { load_haystack({empty.string()}); });
+  EXPECT_NE(none.find("no sentences of prose"), std::string::npos) << none;
+  // A haystack smaller than the request.
+  std::ofstream(empty / "small.txt")
+      << "This is one sentence of prose for the test. And here is a second one.\n";
+  const Haystack small = load_haystack({empty.string()});
+  const std::string tiny =
+      error_of([&] { make_task_samples("passkey", 4096, 1, 1, small, approx_token_count); });
+  EXPECT_NE(tiny.find("haystack too small"), std::string::npos) << tiny;
+  fs::remove_all(empty);
+}
+
+TEST_F(Tasks, OurDocsAsHaystack) {
+  const fs::path docs = fs::path(KVSCOPE_TEST_SOURCE_DIR) / "docs";
+  const Haystack h = load_haystack({docs.string()});
+  EXPECT_GT(h.sentences.size(), 200u);
+  const auto s = make_task_samples("needle", 2048, 2, 5, h, approx_token_count);
+  EXPECT_EQ(count_word(s[0].user, s[0].answer), 1);
+}
+
+TEST(TaskMatch, AnswerMatches) {
+  EXPECT_TRUE(answer_matches(" 48213.", "48213"));
+  EXPECT_TRUE(answer_matches("48213", "48213"));
+  EXPECT_TRUE(answer_matches(" 48213<|im_end|>", "48213"));
+  EXPECT_TRUE(answer_matches(" Lisbon, of course", "Lisbon"));
+  EXPECT_FALSE(answer_matches(" 482135", "48213"));
+  EXPECT_FALSE(answer_matches(" 4821", "48213"));
+  EXPECT_FALSE(answer_matches(" the 48213", "48213"));
+  EXPECT_FALSE(answer_matches("", "48213"));
+  EXPECT_EQ(count_word("red required red. bored red", "red"), 3);
+  EXPECT_EQ(count_word("12345 123456 012345", "12345"), 1);
+}
+
+}  // namespace
