@@ -10,6 +10,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 #include "kvscope/kernels/blas_runtime.hpp"
@@ -26,6 +27,7 @@ constexpr int kColBlock = 192;    // output features per projection tile (576 = 
 constexpr int kColBlockFew = 64;  // the same for at most kFewRows rows
 constexpr int kFewRows = 64;
 constexpr int kQueryBlock = 64;               // queries per attention tile
+constexpr int kKeyBlock = 256;                // slots per step of a tile's online softmax
 constexpr long kMinParallelFlops = 1L << 21;  // below this a fork/join costs more than it saves
 
 // exp(x) for a vectorisable loop (no libm call), as kernels' rowmath::exp_vec: Cody-Waite reduction
@@ -47,20 +49,23 @@ inline float exp_fast(float x) {
   return x < -87.0f ? 0.0f : y * pow2n;
 }
 
-// row[s] = exp(row[s] + bias[s] - max) for s < len, in place; returns their sum. Vectorised with
-// kLanes partial maxima and sums combined in a fixed order (the result does not depend on alignment).
-float softmax_numerators(float* row, const float* bias, int len) {
-  constexpr int kLanes = 16;
-  float m[kLanes], acc[kLanes];
-  std::fill(m, m + kLanes, -std::numeric_limits<float>::infinity());
-  std::fill(acc, acc + kLanes, 0.0f);
+constexpr int kLanes = 16;  // partial maxima / sums of the vectorised row loops
+
+// row[s] += bias[s] for s < len, in place; returns the maximum (kLanes partial maxima combined in a fixed
+// order).
+float add_bias_max(float* __restrict row, const float* __restrict bias, int len) {
+  // GCC/Clang vector extension: one AVX-512 register, or two AVX2 / four SSE ones.
+  using V = float __attribute__((vector_size(kLanes * sizeof(float))));
+  V m;
+  for (int l = 0; l < kLanes; ++l) m[l] = -std::numeric_limits<float>::infinity();
   const int full = len / kLanes * kLanes;
   for (int s = 0; s < full; s += kLanes) {
-    for (int l = 0; l < kLanes; ++l) {
-      const float x = row[s + l] + bias[s + l];
-      row[s + l] = x;
-      m[l] = m[l] < x ? x : m[l];
-    }
+    V x, b;
+    std::memcpy(&x, row + s, sizeof(V));
+    std::memcpy(&b, bias + s, sizeof(V));
+    x += b;
+    std::memcpy(row + s, &x, sizeof(V));
+    m = m < x ? x : m;
   }
   float mx = -std::numeric_limits<float>::infinity();
   for (int s = full; s < len; ++s) {
@@ -68,6 +73,14 @@ float softmax_numerators(float* row, const float* bias, int len) {
     mx = std::max(mx, row[s]);
   }
   for (int l = 0; l < kLanes; ++l) mx = std::max(mx, m[l]);
+  return mx;
+}
+
+// row[s] = exp(row[s] - mx) for s < len, in place; returns their sum (kLanes partial sums, fixed order).
+float exp_sum(float* __restrict row, float mx, int len) {
+  float acc[kLanes];
+  std::fill(acc, acc + kLanes, 0.0f);
+  const int full = len / kLanes * kLanes;
   for (int s = 0; s < full; s += kLanes) {
     for (int l = 0; l < kLanes; ++l) {
       const float e = exp_fast(row[s + l] - mx);
@@ -285,19 +298,46 @@ class CpuBackend final : public DecoderBackend {
         const int hn = hc.size(), base = hn - t;
         const int i0 = b * kQueryBlock, rows = std::min(kQueryBlock, t - i0);
         const int cols = base + i0 + rows;  // slots the block's last query sees
-        grow(p, static_cast<std::size_t>(rows) * cols);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, cols, dh, scale,
-                    q + (static_cast<std::size_t>(i0) * hq + j) * dh, hq * dh, hc.keys(), dh, 0.0f, p.data(),
-                    cols);
-        for (int r = 0; r < rows; ++r) {
-          float* row = p.data() + static_cast<std::size_t>(r) * cols;
-          const int len = base + i0 + r + 1;  // slots this query sees
-          const float inv = 1.0f / softmax_numerators(row, hc.biases(), len);
-          for (int s = 0; s < len; ++s) row[s] *= inv;
-          std::fill(row + len, row + cols, 0.0f);
+        // Online softmax over blocks of kKeyBlock slots (the scores of a block stay in cache): running
+        // maximum m and sum l per query, the output rescaled when the maximum grows.
+        const std::size_t kb_max = static_cast<std::size_t>(std::min(kKeyBlock, cols));
+        grow(p, static_cast<std::size_t>(rows) * (kb_max + dh + 2));
+        float* sc = p.data();             // [rows, kc] scores, then probabilities
+        float* acc = sc + rows * kb_max;  // [rows, Dh] unnormalised output
+        float* m = acc + rows * dh;       // [rows]
+        float* l = m + rows;              // [rows]
+        std::fill(acc, acc + static_cast<std::size_t>(rows) * dh, 0.0f);
+        std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+        std::fill(l, l + rows, 0.0f);
+        const float* qj = q + (static_cast<std::size_t>(i0) * hq + j) * dh;
+        for (int k0 = 0; k0 < cols; k0 += kKeyBlock) {
+          const int kc = std::min(kKeyBlock, cols - k0);
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, kc, dh, scale, qj, hq * dh, hc.key(k0),
+                      dh, 0.0f, sc, kc);
+          for (int r = 0; r < rows; ++r) {
+            float* row = sc + static_cast<std::size_t>(r) * kc;
+            const int vis = std::clamp(base + i0 + r + 1 - k0, 0, kc);  // slots of this block it sees
+            std::fill(row + vis, row + kc, 0.0f);
+            if (vis == 0) continue;
+            const float mx = std::max(m[r], add_bias_max(row, hc.biases() + k0, vis));
+            const float alpha = exp_fast(m[r] - mx);  // 0 for the first block (m = -inf)
+            l[r] = l[r] * alpha + exp_sum(row, mx, vis);
+            m[r] = mx;
+            if (alpha != 1.0f) {
+              float* ar = acc + static_cast<std::size_t>(r) * dh;
+              for (int e = 0; e < dh; ++e) ar[e] *= alpha;
+            }
+          }
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, dh, kc, 1.0f, sc, kc, hc.value(k0), dh,
+                      1.0f, acc, dh);
         }
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, dh, cols, 1.0f, p.data(), cols,
-                    hc.values(), dh, 0.0f, out + (static_cast<std::size_t>(i0) * hq + j) * dh, hq * dh);
+        float* o = out + (static_cast<std::size_t>(i0) * hq + j) * dh;
+        for (int r = 0; r < rows; ++r) {
+          const float inv = 1.0f / l[r];
+          for (int e = 0; e < dh; ++e) {
+            o[static_cast<std::size_t>(r) * hq * dh + e] = acc[static_cast<std::size_t>(r) * dh + e] * inv;
+          }
+        }
       }
     }
   }
@@ -305,7 +345,7 @@ class CpuBackend final : public DecoderBackend {
   ModelConfig c_;
   std::shared_ptr<const ModelWeights> w_;
   std::vector<float> h_, a_, q_, k_, v_, attn_, gate_, up_;
-  std::vector<std::vector<float>> scratch_;  // [thread] attention probabilities of one tile
+  std::vector<std::vector<float>> scratch_;  // [thread] one attention tile's scores, output and statistics
 };
 
 }  // namespace
