@@ -1,10 +1,12 @@
-// kvcap run: loads a model directory, builds the prompt from PNG images or procedural scenes and a question,
-// generates greedily and records prefill Q/K/V, decode steps and ranges into a trace via the capture C API.
+// kvcap run: loads a model directory, builds the prompt (tiny VLM: PNG images or procedural scenes and a
+// question; text LLaMA: a text or a chat prompt), generates greedily and records prefill Q/K/V, decode steps
+// and ranges into a trace via the capture C API.
 #include "run_command.hpp"
 
 #include <boost/program_options.hpp>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <optional>
 #include <sstream>
@@ -123,22 +125,39 @@ std::vector<std::uint64_t> parse_seeds(const std::string& text) {
 
 po::options_description make_options() {
   po::options_description opts(
-      "kvcap run --model DIR (--image PNG [--image PNG2] | --scene SEED[,SEED2]) --question TEXT -o FILE\n\n"
-      "Runs the reference model (a kvscope tiny VLM directory: config.json, model.safetensors, vocab.json)\n"
-      "on one or two images and a question, generates the answer greedily (prefill, then each generated\n"
-      "token fed back until <eos> or --max-new tokens) and captures the run into a trace: per layer the\n"
-      "prefill Q, K (after RoPE) and V, per decode step the fed token's Q/K/V, token labels (special,\n"
-      "vision with patch grid and image index, text) and steady-clock ranges per layer, attention and MLP.\n"
-      "Prints the answer and the prefill/decode times on stdout. The trace is marked complete only when\n"
-      "the run succeeded; on any error the partial file is removed and the exit status is 2.\n\nOptions");
-  opts.add_options()("help,h", "show this help")("model", po::value<std::string>(),
-                                                 "model directory (e.g. traces/models/tiny-shapes)")(
+      "kvcap run --model DIR (--image PNG [--image PNG2] | --scene SEED[,SEED2]) --question TEXT -o FILE\n"
+      "kvcap run --model DIR (--prompt TEXT | --prompt-file F) [--chat] [--max-new N] -o FILE\n\n"
+      "Runs a model directory and captures the run into a trace. Two kinds of model:\n"
+      "  - a kvscope tiny VLM (config.json KvscopeTinyVlm, model.safetensors, vocab.json): one or two\n"
+      "    images (--image or --scene) and a --question in its vocabulary;\n"
+      "  - a text-only HF LLaMA (config.json LlamaForCausalLM, model.safetensors, tokenizer.json, e.g.\n"
+      "    SmolLM2-135M-Instruct imported by scripts/setup): a --prompt or --prompt-file, tokenized as is\n"
+      "    (no automatic BOS) or, with --chat, as the user message rendered through the model's chat\n"
+      "    template (chat_template.jinja or tokenizer_config.json; its default system prompt) with the\n"
+      "    assistant turn opened.\n"
+      "Generates the answer greedily (prefill, then each generated token fed back until an EOS token,\n"
+      "--max-new tokens or the end of the context) and records per layer the prefill Q, K (after RoPE) and "
+      "V,\n"
+      "per decode step the fed token's Q/K/V, token labels (special, vision with patch grid and image\n"
+      "index, text), each token's text, and steady-clock ranges per layer, attention and MLP.\n"
+      "Prints the answer (decoded text) and the prefill/decode times on stdout. The trace is marked "
+      "complete\n"
+      "only when the run succeeded; on any error the partial file is removed and the exit status is 2.\n\n"
+      "Options");
+  opts.add_options()("help,h", "show this help")(
+      "model", po::value<std::string>(),
+      "model directory (e.g. traces/models/tiny-shapes, ~/.cache/kvscope/models/smollm2-135m-instruct)")(
       "image", po::value<std::vector<std::string>>(),
-      "PNG image of the model's size (64x64 RGB); repeat for two")(
-      "scene", po::value<std::string>(), "procedural scene seed(s) instead of images: SEED or SEED1,SEED2")(
+      "tiny VLM: PNG image of the model's size (64x64 RGB); repeat for two")(
+      "scene", po::value<std::string>(),
+      "tiny VLM: procedural scene seed(s) instead of images: SEED or SEED1,SEED2")(
       "question", po::value<std::string>(),
-      "the question, in the model's vocabulary (e.g. \"how many shapes ?\")")(
-      "max-new", po::value<int>()->default_value(16), "at most this many generated tokens (1..256)")(
+      "tiny VLM: the question, in the model's vocabulary (e.g. \"how many shapes ?\")")(
+      "prompt", po::value<std::string>(), "text model: the prompt text")(
+      "prompt-file", po::value<std::string>(), "text model: read the prompt text from this file (UTF-8)")(
+      "chat", po::bool_switch(), "text model: render the prompt as a user message through the chat template")(
+      "max-new", po::value<int>(),
+      "at most this many generated tokens (1..1024; default 16 for the tiny VLM, 64 for a text model)")(
       "device", po::value<std::string>()->default_value("cpu"),
       "cpu or cuda (cuda needs a GPU build and a GPU)")(
       "threads", po::value<int>()->default_value(0),
@@ -147,6 +166,33 @@ po::options_description make_options() {
       "tensor dtype in the trace: float32, float16, bfloat16")("output,o", po::value<std::string>(),
                                                                "output trace file (.h5)");
   return opts;
+}
+
+// The prompt text of --prompt or --prompt-file (exactly one). Throws std::invalid_argument.
+std::string read_prompt(const po::variables_map& vm) {
+  const bool has_text = vm.count("prompt") != 0, has_file = vm.count("prompt-file") != 0;
+  if (has_text == has_file) {
+    throw std::invalid_argument(has_text ? "give either --prompt or --prompt-file, not both"
+                                         : "give --prompt TEXT or --prompt-file F (see kvcap run --help)");
+  }
+  std::string text;
+  if (has_text) {
+    text = vm["prompt"].as<std::string>();
+  } else {
+    const std::string path = vm["prompt-file"].as<std::string>();
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(path, ec))
+      throw std::invalid_argument(path + ": cannot open the prompt file (no such file)");
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw std::invalid_argument(path + ": cannot open the prompt file");
+    std::stringstream ss;
+    ss << in.rdbuf();
+    text = ss.str();
+  }
+  if (text.find_first_not_of(" \t\r\n") == std::string::npos)
+    throw std::invalid_argument(has_text ? "--prompt is empty"
+                                         : vm["prompt-file"].as<std::string>() + ": the prompt is empty");
+  return text;
 }
 
 }  // namespace
@@ -161,26 +207,59 @@ int run_command(const std::vector<std::string>& args) {
     return fail(std::string(e.what()) + " (see kvcap run --help)");
   }
   if (vm.count("help")) {
-    std::cout << opts
-              << "\nExamples:\n"
-                 "  kvcap run --model traces/models/tiny-shapes --scene 7 --question \"how many shapes ?\" "
-                 "-o t.h5\n"
-                 "  kvcap run --model traces/models/tiny-shapes --scene 3,8 \\\n"
-                 "      --question \"which image has more shapes ?\" --max-new 8 -o two.h5\n"
-                 "  kvcap run --model DIR --image a.png --question \"what color is the circle ?\" -o a.h5\n";
+    std::cout
+        << opts
+        << "\nExamples:\n"
+           "  kvcap run --model traces/models/tiny-shapes --scene 7 --question \"how many shapes ?\" "
+           "-o t.h5\n"
+           "  kvcap run --model traces/models/tiny-shapes --scene 3,8 \\\n"
+           "      --question \"which image has more shapes ?\" --max-new 8 -o two.h5\n"
+           "  kvcap run --model DIR --image a.png --question \"what color is the circle ?\" -o a.h5\n"
+           "  kvcap run --model ~/.cache/kvscope/models/smollm2-135m-instruct --chat \\\n"
+           "      --prompt \"What is the capital of France?\" -o paris.h5\n"
+           "  kvcap run --model ~/.cache/kvscope/models/smollm2-135m-instruct \\\n"
+           "      --prompt-file /usr/share/common-licenses/GPL-3 --max-new 32 --dtype float16 -o gpl.h5\n";
     return kExitOk;
   }
-  for (const char* required : {"model", "question", "output"}) {
+  for (const char* required : {"model", "output"}) {
     if (!vm.count(required)) return fail(std::string("missing --") + required + " (see kvcap run --help)");
   }
-  const bool has_image = vm.count("image") != 0, has_scene = vm.count("scene") != 0;
-  if (has_image == has_scene) {
-    return fail(has_image ? "give either --image or --scene, not both"
-                          : "give --image PNG or --scene SEED (see kvcap run --help)");
+  const std::string model_dir = vm["model"].as<std::string>();
+  // The model's kind decides which prompt options apply; config.json is read first (cheap) so that a
+  // mismatch is reported before the weights load.
+  bool text_model = false;
+  try {
+    if (!std::filesystem::is_directory(model_dir))
+      throw RunnerError(runner::ErrorKind::kModel, model_dir + ": not a model directory");
+    text_model = !runner::load_config(model_dir).has_vision();
+  } catch (const RunnerError& e) {
+    return fail(e.what());
   }
-  const int max_new = vm["max-new"].as<int>();
-  if (max_new < 1 || max_new > 256)
-    return fail("--max-new must be in 1..256, got " + std::to_string(max_new));
+  const bool has_image = vm.count("image") != 0, has_scene = vm.count("scene") != 0;
+  const bool chat = vm["chat"].as<bool>();
+  if (text_model) {
+    for (const char* vlm_only : {"scene", "image", "question"}) {
+      if (vm.count(vlm_only)) {
+        return fail(std::string("--") + vlm_only + " is for the tiny VLM; " + model_dir +
+                    " is a text model (use --prompt or --prompt-file)");
+      }
+    }
+  } else {
+    for (const char* text_only : {"prompt", "prompt-file", "chat"}) {
+      if (vm.count(text_only) && !vm[text_only].defaulted()) {
+        return fail(std::string("--") + text_only + " is for text models; " + model_dir +
+                    " is the tiny VLM (use --image or --scene and --question)");
+      }
+    }
+    if (!vm.count("question")) return fail("missing --question (see kvcap run --help)");
+    if (has_image == has_scene) {
+      return fail(has_image ? "give either --image or --scene, not both"
+                            : "give --image PNG or --scene SEED (see kvcap run --help)");
+    }
+  }
+  const int max_new = vm.count("max-new") ? vm["max-new"].as<int>() : (text_model ? 64 : 16);
+  if (max_new < 1 || max_new > 1024)
+    return fail("--max-new must be in 1..1024, got " + std::to_string(max_new));
   const std::string device_name = vm["device"].as<std::string>();
   if (device_name != "cpu" && device_name != "cuda")
     return fail("--device '" + device_name + "' is not cpu or cuda");
@@ -196,27 +275,40 @@ int run_command(const std::vector<std::string>& args) {
     return fail("--dtype '" + dtype_name + "' is not one of float32, float16, bfloat16");
   }
   const std::string out = vm["output"].as<std::string>();
-  const std::string question = vm["question"].as<std::string>();
-  if (question.find_first_not_of(" \t\r\n") == std::string::npos) return fail("--question is empty");
+  std::string question, prompt_text;
+  try {
+    if (text_model) {
+      prompt_text = read_prompt(vm);
+    } else {
+      question = vm["question"].as<std::string>();
+      if (question.find_first_not_of(" \t\r\n") == std::string::npos) return fail("--question is empty");
+    }
+  } catch (const std::invalid_argument& e) {
+    return fail(e.what());
+  }
   kernels::set_cpu_threads(threads);
 
   // Everything that can be checked is checked before the output file is created.
   std::optional<runner::Model> model;
   runner::Prompt prompt;
   try {
-    model.emplace(runner::Model::load(vm["model"].as<std::string>(),
-                                      device_name == "cuda" ? runner::Device::kCuda : runner::Device::kCpu));
-    const auto& vc = model->config().vision;
-    std::vector<runner::Image> images;
-    if (has_scene) {
-      for (std::uint64_t seed : parse_seeds(vm["scene"].as<std::string>()))
-        images.push_back(runner::render_scene(seed).image);
+    model.emplace(
+        runner::Model::load(model_dir, device_name == "cuda" ? runner::Device::kCuda : runner::Device::kCpu));
+    if (text_model) {
+      prompt = chat ? model->build_chat_prompt(prompt_text) : model->build_text_prompt(prompt_text);
     } else {
-      const auto paths = vm["image"].as<std::vector<std::string>>();
-      if (paths.size() > 2) return fail("at most two --image");
-      for (const auto& p : paths) images.push_back(runner::load_image(p, vc.image_size, vc.image_size));
+      const auto& vc = model->config().vision;
+      std::vector<runner::Image> images;
+      if (has_scene) {
+        for (std::uint64_t seed : parse_seeds(vm["scene"].as<std::string>()))
+          images.push_back(runner::render_scene(seed).image);
+      } else {
+        const auto paths = vm["image"].as<std::vector<std::string>>();
+        if (paths.size() > 2) return fail("at most two --image");
+        for (const auto& p : paths) images.push_back(runner::load_image(p, vc.image_size, vc.image_size));
+      }
+      prompt = model->build_prompt(images, question);
     }
-    prompt = model->build_prompt(images, question);
   } catch (const RunnerError& e) {
     return fail(e.what());
   } catch (const std::invalid_argument& e) {
@@ -289,8 +381,9 @@ int run_command(const std::vector<std::string>& args) {
       "device %s\n",
       prompt.size(), gen.prefill_ms, prefill_tps, gen.decode_steps, gen.decode_ms, decode_tps,
       device_label.c_str());
-  std::printf("wrote %s: %d context tokens, %d decode steps, %d layers, %s\n", out.c_str(), prompt.size(),
-              gen.decode_steps, mc.num_layers, dtype_name.c_str());
+  std::printf("wrote %s: %d context tokens, %d decode steps, %d layers, %d/%d heads, %s\n", out.c_str(),
+              prompt.size(), gen.decode_steps, mc.num_layers, mc.num_q_heads, mc.num_kv_heads,
+              dtype_name.c_str());
   return kExitOk;
 }
 

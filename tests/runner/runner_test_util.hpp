@@ -37,6 +37,31 @@ inline bool trained_present() {
          std::filesystem::exists(trained_dir() / "reference.safetensors");
 }
 
+// The real pretrained model scripts/setup imports: $KVSCOPE_CACHE, else
+// ${XDG_CACHE_HOME:-$HOME/.cache}/kvscope,
+// + /models/smollm2-135m-instruct (as scripts/lib/env.sh resolves it).
+inline std::filesystem::path smollm2_dir() {
+  std::filesystem::path cache;
+  if (const char* c = std::getenv("KVSCOPE_CACHE"); c && *c) {
+    cache = c;
+  } else if (const char* x = std::getenv("XDG_CACHE_HOME"); x && *x) {
+    cache = std::filesystem::path(x) / "kvscope";
+  } else {
+    const char* home = std::getenv("HOME");
+    cache = std::filesystem::path(home ? home : "/") / ".cache" / "kvscope";
+  }
+  return cache / "models" / "smollm2-135m-instruct";
+}
+inline bool smollm2_present() {
+  const std::filesystem::path d = smollm2_dir();
+  return std::filesystem::exists(d / "model.safetensors") && std::filesystem::exists(d / "tokenizer.json") &&
+         std::filesystem::exists(d / "config.json");
+}
+#define KVSCOPE_SKIP_WITHOUT_SMOLLM2()                                                                 \
+  if (!::kvscope::runner::testing::smollm2_present())                                                  \
+  GTEST_SKIP() << "no imported SmolLM2-135M-Instruct at " << ::kvscope::runner::testing::smollm2_dir() \
+               << " (run scripts/setup to import it)"
+
 // Every model directory with a reference file: the fixtures, then the trained model when present.
 inline std::vector<std::filesystem::path> reference_model_dirs() {
   std::vector<std::filesystem::path> dirs;

@@ -175,11 +175,11 @@ TEST_F(KvcapRun, BadInputExitsTwoAndLeavesNoTrace) {
   // Unsupported architecture.
   fs::path m = copy_model("none");
   {
-    const std::string cfg = replaced(slurp(m / "config.json"), "KvscopeTinyVlm", "LlamaForCausalLM");
+    const std::string cfg = replaced(slurp(m / "config.json"), "KvscopeTinyVlm", "Qwen2ForCausalLM");
     std::ofstream(m / "config.json") << cfg;
   }
   expect_bad("run --model " + q(m) + " --scene 7" + qn + tail,
-             "unsupported architectures [\"LlamaForCausalLM\"]", out);
+             "unsupported architectures [\"Qwen2ForCausalLM\"]", out);
 
   // Mismatched weights: the config promises a wider MLP than the weights have.
   m = copy_model("ntk");
@@ -232,6 +232,126 @@ TEST_F(KvcapRun, TrainedModelAnswersScene7) {
   EXPECT_NE(r.out.find("answer: " + counting_answer(7) + "\n"), std::string::npos) << r.out;
   const Result v = kvcap("validate -q " + q(out));
   EXPECT_EQ(v.status, 0) << v.err;
+}
+
+// ---- text LLaMA models (SmolLM2-135M-Instruct as scripts/setup imports it) ----
+
+// A directory holding only a text LLaMA's config.json: enough for every check made before the weights load.
+fs::path llama_config_only(const fs::path& dir) {
+  const fs::path m = dir / "llama-config-only";
+  fs::create_directories(m);
+  std::ofstream(m / "config.json") << R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "max_position_embeddings": 64, "vocab_size": 300, "rope_theta": 10000.0,
+    "tie_word_embeddings": true, "bos_token_id": 1, "eos_token_id": 2})";
+  return m;
+}
+
+TEST_F(KvcapRun, PromptOptionsMatchTheModelKind) {
+  const fs::path out = dir_ / "bad.h5";
+  const std::string tail = " -o " + q(out);
+  const fs::path llama = llama_config_only(dir_);
+  const fs::path tiny = testing::fixture_dir("none");
+  expect_bad("run --model " + q(llama) + " --scene 7 --prompt hi" + tail,
+             "--scene is for the tiny VLM; " + llama.string() + " is a text model", out);
+  expect_bad("run --model " + q(llama) + " --image x.png --prompt hi" + tail, "--image is for the tiny VLM",
+             out);
+  expect_bad("run --model " + q(llama) + " --question 'how many shapes ?'" + tail,
+             "--question is for the tiny VLM", out);
+  expect_bad("run --model " + q(llama) + tail, "give --prompt TEXT or --prompt-file F", out);
+  expect_bad("run --model " + q(llama) + " --prompt hi --prompt-file x.txt" + tail, "not both", out);
+  expect_bad("run --model " + q(llama) + " --prompt ''" + tail, "--prompt is empty", out);
+  expect_bad("run --model " + q(llama) + " --chat --prompt ' \n '" + tail, "--prompt is empty", out);
+  expect_bad("run --model " + q(llama) + " --prompt-file " + q(dir_ / "missing.txt") + tail,
+             (dir_ / "missing.txt").string() + ": cannot open the prompt file", out);
+  { std::ofstream(dir_ / "blank.txt") << "\n\n"; }
+  expect_bad("run --model " + q(llama) + " --prompt-file " + q(dir_ / "blank.txt") + tail,
+             "the prompt is empty", out);
+  expect_bad("run --model " + q(llama) + " --prompt hi --max-new 0" + tail, "--max-new must be in 1..1024",
+             out);
+  expect_bad("run --model " + q(tiny) + " --scene 7 --prompt hi" + tail,
+             "--prompt is for text models; " + tiny.string() + " is the tiny VLM", out);
+  expect_bad("run --model " + q(tiny) + " --scene 7 --chat --question 'how many shapes ?'" + tail,
+             "--chat is for text models", out);
+  expect_bad("run --model " + q(tiny) + " --prompt-file x.txt" + tail, "--prompt-file is for text models",
+             out);
+  // A config-only directory gets past the option checks and fails on the missing tokenizer/weights.
+  expect_bad("run --model " + q(llama) + " --prompt hi" + tail, "tokenizer.json", out);
+}
+
+TEST_F(KvcapRun, HelpShowsBothModels) {
+  const Result r = kvcap("run --help");
+  ASSERT_EQ(r.status, 0);
+  for (const char* s : {"--prompt ", "--prompt-file", "--chat", "--scene", "--question", "--max-new",
+                        "smollm2-135m-instruct --chat", "tiny-shapes --scene 7", "LlamaForCausalLM"}) {
+    EXPECT_NE(r.out.find(s), std::string::npos) << s;
+  }
+}
+
+TEST_F(KvcapRun, SmolLm2ChatAnswersParis) {
+  KVSCOPE_SKIP_WITHOUT_SMOLLM2();
+  const fs::path model = testing::smollm2_dir(), out = dir_ / "paris.h5";
+  const Result r =
+      kvcap("run --model " + q(model) +
+            " --chat --prompt 'What is the capital of France?' --max-new 24 --threads 2 -o " + q(out));
+  ASSERT_EQ(r.status, 0) << r.err;
+  const std::size_t at = r.out.find("answer: ");
+  ASSERT_NE(at, std::string::npos) << r.out;
+  EXPECT_NE(r.out.substr(at, r.out.find('\n', at) - at).find("Paris"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("prefill: "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("30 layers, 9/3 heads"), std::string::npos) << r.out;
+  const Result v = kvcap("validate -q " + q(out));
+  EXPECT_EQ(v.status, 0) << v.err;
+
+  trace::TraceReader reader(out.string());
+  const trace::ModelGeometry& g = reader.header().geometry;
+  EXPECT_EQ(g.num_layers, 30);
+  EXPECT_EQ(g.num_q_heads, 9);
+  EXPECT_EQ(g.num_kv_heads, 3);
+  EXPECT_EQ(g.head_dim, 64);
+  EXPECT_DOUBLE_EQ(g.rope_theta, 100000.0);
+  EXPECT_EQ(g.model_name, "smollm2-135m-instruct");
+  EXPECT_EQ(reader.layers_present(), 30);
+  const trace::Tokens& tok = reader.tokens();
+  ASSERT_GT(tok.size(), 20u);
+  // ChatML: <|im_start|>system\n...<|im_end|>\n<|im_start|>user\n...<|im_end|>\n<|im_start|>assistant\n
+  EXPECT_EQ(tok.token_id[0], 1);
+  EXPECT_EQ(tok.modality[0], 3);
+  EXPECT_EQ(tok.text[0], "<|im_start|>");
+  EXPECT_EQ(tok.text[1], "system");
+  EXPECT_EQ(tok.modality[1], 0);
+  std::string joined;
+  int specials = 0;
+  for (std::size_t i = 0; i < tok.size(); ++i) {
+    joined += tok.text[i];
+    specials += tok.modality[i] == 3;
+    EXPECT_TRUE(tok.modality[i] == 0 || tok.modality[i] == 3) << i;
+    EXPECT_EQ(tok.position[i], static_cast<std::int32_t>(i));
+  }
+  EXPECT_EQ(specials, 6);  // three <|im_start|>, two <|im_end|> ... and the generation prompt's <|im_start|>
+  EXPECT_NE(
+      joined.find("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"),
+      std::string::npos)
+      << joined;
+  EXPECT_GT(reader.num_decode_steps(), 0u);
+
+  const fs::path kvsim = testing::binary_dir() / "bin" / "kvsim";
+  const std::string cmd =
+      "'" + kvsim.string() + "' info " + q(out) + " >'" + (dir_ / "info").string() + "' 2>&1";
+  const int raw = std::system(cmd.c_str());
+  EXPECT_TRUE(WIFEXITED(raw) && WEXITSTATUS(raw) == 0) << slurp(dir_ / "info");
+  EXPECT_NE(slurp(dir_ / "info").find("30"), std::string::npos) << slurp(dir_ / "info");
+}
+
+TEST_F(KvcapRun, SmolLm2RefusesPromptLongerThanContext) {
+  KVSCOPE_SKIP_WITHOUT_SMOLLM2();
+  const fs::path out = dir_ / "long.h5", file = dir_ / "long.txt";
+  {
+    std::ofstream f(file);
+    for (int i = 0; i < 9000; ++i) f << " the";  // 9,000 tokens (" the" is one token)
+  }
+  expect_bad("run --model " + q(testing::smollm2_dir()) + " --prompt-file " + q(file) + " -o " + q(out),
+             "the prompt has 9000 tokens, more than max_position_embeddings = 8192", out);
 }
 
 }  // namespace

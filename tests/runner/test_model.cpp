@@ -162,6 +162,61 @@ TEST(Generation, KvCacheDecodeEqualsFullRecompute) {
   }
 }
 
+TEST(Generation, PrefillLogitsEqualForwardLogitsAndDoNotChangeTheAnswer) {
+  Model model = Model::load(testing::fixture_dir("linear").string());
+  const Prompt p = model.build_prompt({render_scene(5).image}, "how many shapes ?");
+  GenerateOptions opt;
+  opt.max_new = 4;
+  opt.keep_logits = true;
+  const Generation plain = model.generate(p, opt);
+  std::vector<float> all;
+  opt.prefill_logits = &all;
+  const Generation with = model.generate(p, opt);
+  EXPECT_EQ(with.tokens, plain.tokens);
+  const std::vector<float> full = model.forward_logits(p);
+  ASSERT_EQ(all.size(), full.size());
+  EXPECT_LT(max_abs_diff(all, full), 1e-5f);
+  ASSERT_FALSE(with.logits.empty());
+  EXPECT_LT(max_abs_diff(with.logits[0], plain.logits[0]), 1e-6f);
+}
+
+TEST(Prompts, IdsPromptsAreLabelledAndCheckedAndTextPromptsNeedATextModel) {
+  Model model = Model::load(testing::fixture_dir("none").string());
+  const Vocabulary& vocab = dynamic_cast<const Vocabulary&>(model.tokenizer());
+  const std::vector<std::int32_t> ids = {1, vocab.id("how"), vocab.id("many"), 5};
+  const Prompt p = model.build_prompt_from_ids(ids);
+  ASSERT_EQ(p.size(), 4);
+  EXPECT_EQ(p.tokens[0].modality, 3);  // <bos>: special
+  EXPECT_EQ(p.tokens[1].modality, 0);
+  EXPECT_EQ(p.tokens[3].modality, 3);
+  EXPECT_EQ(p.text[1], "how");
+  EXPECT_EQ(p.tokens[2].position, 2);
+  EXPECT_EQ(p.tokens[2].segment, 0);
+  auto kind_of = [](auto&& f) {
+    try {
+      f();
+    } catch (const RunnerError& e) {
+      return std::make_pair(e.kind(), std::string(e.what()));
+    }
+    return std::make_pair(ErrorKind::kModel, std::string("no error"));
+  };
+  auto [k1, m1] = kind_of([&] { model.build_prompt_from_ids({}); });
+  EXPECT_EQ(k1, ErrorKind::kInput);
+  EXPECT_NE(m1.find("empty"), std::string::npos) << m1;
+  auto [k2, m2] = kind_of([&] { model.build_prompt_from_ids({1, 49}); });
+  EXPECT_EQ(k2, ErrorKind::kInput);
+  EXPECT_NE(m2.find("token id 49 is outside the vocabulary (49 tokens)"), std::string::npos) << m2;
+  const std::vector<std::int32_t> too_long(
+      static_cast<std::size_t>(model.config().max_position_embeddings) + 1, 1);
+  auto [k3, m3] = kind_of([&] { model.build_prompt_from_ids(too_long); });
+  EXPECT_EQ(k3, ErrorKind::kInput);
+  EXPECT_NE(m3.find("the prompt has 513 tokens, more than max_position_embeddings = 512"), std::string::npos)
+      << m3;
+  auto [k4, m4] = kind_of([&] { model.build_text_prompt("how many shapes ?"); });
+  EXPECT_EQ(k4, ErrorKind::kInput);
+  EXPECT_NE(m4.find("is the tiny VLM"), std::string::npos) << m4;
+}
+
 class KeepAllHook : public CacheHook {
  public:
   void after_prefill(KvCache& cache, const std::vector<TokenInfo>& context) override {

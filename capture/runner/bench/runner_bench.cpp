@@ -70,6 +70,12 @@ runner::ModelConfig smollm2_config() {
   c.rope_theta = 100000.0;
   c.max_position_embeddings = 8192;
   c.vocab_size = 49152;
+  c.kind = runner::ModelKind::kLlama;
+  c.tie_word_embeddings = true;
+  c.bos_token_id = 1;
+  c.eos_token_id = 2;
+  c.eos_token_ids = {2};
+  c.image_start_token_id = c.image_end_token_id = c.sep_token_id = -1;
   c.model_name = "synthetic-smollm2-135m";
   return c;
 }
@@ -102,7 +108,7 @@ runner::ModelWeights random_weights(const runner::ModelConfig& c) {
     w.layers.push_back(std::move(lw));
   }
   w.final_norm.assign(d, 1.0f);
-  w.lm_head = w.embed_tokens;
+  // Tied embeddings, as the real model: lm_head stays empty and output() is embed_tokens.
   return w;
 }
 

@@ -268,7 +268,7 @@ class CpuBackend final : public DecoderBackend {
     const int rows = req.all_logits ? t : 1;
     const float* last = h + static_cast<std::size_t>(t - rows) * d;
     logits.resize(static_cast<std::size_t>(rows) * c_.vocab_size);
-    const Linear head[] = {{a, w_->lm_head.data(), c_.vocab_size, d, logits.data()}};
+    const Linear head[] = {{a, w_->output().data(), c_.vocab_size, d, logits.data()}};
     const bool par_head = 2L * rows * d * c_.vocab_size >= kMinParallelFlops;
 #pragma omp parallel if (par_head)
     {

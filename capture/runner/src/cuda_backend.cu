@@ -206,7 +206,7 @@ class CudaBackend final : public DecoderBackend {
       layers_.push_back(std::move(dl));
     }
     final_norm_.upload(w.final_norm, stream_);
-    lm_head_.upload(w.lm_head, stream_);
+    lm_head_.upload(w.output(), stream_);
     seen_.assign(static_cast<size_t>(c_.num_layers) * c_.num_kv_heads, ~0ull);
     mirrored_len_.assign(seen_.size(), 0);
     KV_CHECK(cudaStreamSynchronize(stream_));

@@ -7,6 +7,8 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "kvscope/kernels/blas_runtime.hpp"
 #include "kvscope/runner/error.hpp"
@@ -34,6 +36,53 @@ int argmax(const std::vector<float>& v) {
   return static_cast<int>(std::max_element(v.begin(), v.end()) - v.begin());
 }
 
+// INTERIM until the BPE tokenizer (branch bpe) is merged: token text and special flags from tokenizer.json,
+// no text encoding.
+class TokenizerJsonIds final : public Tokenizer {
+ public:
+  static TokenizerJsonIds load(const std::string& path) {
+    std::ifstream in(path);
+    if (!in) throw RunnerError(ErrorKind::kModel, path + ": cannot open");
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(in);
+    } catch (const nlohmann::json::exception& e) {
+      throw RunnerError(ErrorKind::kModel, path + ": not valid JSON");
+    }
+    TokenizerJsonIds t;
+    const auto& vocab = j.at("model").at("vocab");
+    t.text_.resize(vocab.size());
+    t.special_.assign(vocab.size(), 0);
+    for (auto it = vocab.begin(); it != vocab.end(); ++it)
+      t.text_.at(it.value().get<std::size_t>()) = it.key();
+    for (const auto& a : j.at("added_tokens")) {
+      const std::size_t id = a.at("id").get<std::size_t>();
+      if (id >= t.text_.size()) {
+        t.text_.resize(id + 1);
+        t.special_.resize(id + 1, 0);
+      }
+      t.text_[id] = a.at("content").get<std::string>();
+      t.special_[id] = a.value("special", false) ? 1 : 0;
+    }
+    return t;
+  }
+  int size() const override { return static_cast<int>(text_.size()); }
+  const std::string& text(int id) const override { return text_.at(static_cast<std::size_t>(id)); }
+  std::vector<std::int32_t> encode(const std::string&) const override {
+    throw RunnerError(ErrorKind::kInput, "text encoding needs the BPE tokenizer (not in this build yet)");
+  }
+  std::string decode(const std::vector<std::int32_t>& ids) const override {
+    std::string s;
+    for (auto id : ids) s += text(id);
+    return s;
+  }
+  bool is_special(int id) const override { return special_.at(static_cast<std::size_t>(id)) != 0; }
+
+ private:
+  std::vector<std::string> text_;
+  std::vector<char> special_;
+};
+
 }  // namespace
 
 Model::Model(ModelConfig config, ModelWeights weights, std::shared_ptr<const Tokenizer> tokenizer,
@@ -50,19 +99,78 @@ Model Model::load(const std::string& dir, Device device) {
   namespace fs = std::filesystem;
   if (!fs::is_directory(dir)) throw RunnerError(ErrorKind::kModel, dir + ": not a model directory");
   ModelConfig config = load_config(dir);
-  Vocabulary vocab = Vocabulary::load((fs::path(dir) / "vocab.json").string());
-  if (vocab.size() != config.vocab_size) {
-    throw RunnerError(ErrorKind::kModel,
-                      (fs::path(dir) / "vocab.json").string() + ": " + std::to_string(vocab.size()) +
-                          " tokens, config.json has vocab_size " + std::to_string(config.vocab_size));
+  std::shared_ptr<const Tokenizer> tokenizer;
+  std::string tokenizer_file;
+  if (config.has_vision()) {
+    tokenizer_file = (fs::path(dir) / "vocab.json").string();
+    tokenizer = std::make_shared<const Vocabulary>(Vocabulary::load(tokenizer_file));
+  } else {
+    tokenizer_file = (fs::path(dir) / "tokenizer.json").string();
+    tokenizer = std::make_shared<const TokenizerJsonIds>(TokenizerJsonIds::load(tokenizer_file));
+  }
+  // HF pads the embedding matrix beyond the tokenizer's ids at times; never the other way round.
+  if (tokenizer->size() > config.vocab_size ||
+      (config.has_vision() && tokenizer->size() != config.vocab_size)) {
+    throw RunnerError(ErrorKind::kModel, tokenizer_file + ": " + std::to_string(tokenizer->size()) +
+                                             " tokens, config.json has vocab_size " +
+                                             std::to_string(config.vocab_size));
   }
   SafetensorsFile file((fs::path(dir) / "model.safetensors").string());
   ModelWeights weights = load_weights(file, config);
-  return Model(std::move(config), std::move(weights), std::make_shared<const Vocabulary>(std::move(vocab)),
-               device);
+  return Model(std::move(config), std::move(weights), std::move(tokenizer), device);
+}
+
+void Model::check_context(int n) const {
+  if (n > config_.max_position_embeddings) {
+    throw RunnerError(ErrorKind::kInput, "the prompt has " + std::to_string(n) +
+                                             " tokens, more than max_position_embeddings = " +
+                                             std::to_string(config_.max_position_embeddings));
+  }
+}
+
+Prompt Model::build_text_prompt(const std::string& text) const {
+  if (config_.has_vision()) {
+    throw RunnerError(ErrorKind::kInput, "text prompts are for text models; " + config_.model_name +
+                                             " is the tiny VLM (give images and a question)");
+  }
+  const std::vector<std::int32_t> ids = tokenizer_->encode(text);
+  if (ids.empty()) throw RunnerError(ErrorKind::kInput, "the prompt is empty (no tokens)");
+  return build_prompt_from_ids(ids);
+}
+
+Prompt Model::build_chat_prompt(const std::string& user_text) const {
+  (void)user_text;
+  throw RunnerError(ErrorKind::kModel, "chat prompts need the chat template (not in this build yet)");
+}
+
+Prompt Model::build_prompt_from_ids(const std::vector<std::int32_t>& ids) const {
+  if (ids.empty()) throw RunnerError(ErrorKind::kInput, "the prompt is empty (no tokens)");
+  check_context(static_cast<int>(ids.size()));
+  Prompt p;
+  p.tokens.reserve(ids.size());
+  p.text.reserve(ids.size());
+  for (std::int32_t id : ids) {
+    if (id < 0 || id >= config_.vocab_size || id >= tokenizer_->size()) {
+      throw RunnerError(ErrorKind::kInput, "token id " + std::to_string(id) + " is outside the vocabulary (" +
+                                               std::to_string(config_.vocab_size) + " tokens)");
+    }
+    TokenInfo t;
+    t.token_id = id;
+    t.modality = tokenizer_->is_special(id) ? 3 : 0;
+    t.segment = 0;
+    t.grid_row = t.grid_col = -1;
+    t.position = t.index = static_cast<std::int32_t>(p.tokens.size());
+    p.tokens.push_back(t);
+    p.text.push_back(tokenizer_->text(id));
+  }
+  return p;
 }
 
 Prompt Model::build_prompt(const std::vector<Image>& images, const std::string& question) const {
+  if (!config_.has_vision()) {
+    throw RunnerError(ErrorKind::kInput, "images and questions are for the tiny VLM; " + config_.model_name +
+                                             " is a text model (give a text prompt)");
+  }
   const std::vector<std::int32_t> words = tokenizer_->encode(question);  // throws for empty / unknown
   const VisionConfig& vc = config_.vision;
   Prompt p;
@@ -95,11 +203,7 @@ Prompt Model::build_prompt(const std::vector<Image>& images, const std::string& 
   }
   for (std::int32_t id : words) push(id, 0, n_images, -1, -1);
   push(config_.sep_token_id, 3, n_images, -1, -1);
-  if (p.size() > config_.max_position_embeddings) {
-    throw RunnerError(ErrorKind::kInput, "the prompt has " + std::to_string(p.size()) +
-                                             " tokens, more than max_position_embeddings = " +
-                                             std::to_string(config_.max_position_embeddings));
-  }
+  check_context(p.size());
   return p;
 }
 
@@ -181,18 +285,24 @@ Generation Model::generate(const Prompt& prompt, const GenerateOptions& options)
     req.x = x.data();
     req.tokens = prompt.tokens.data();
     req.num_tokens = prompt.size();
+    req.all_logits = options.prefill_logits != nullptr;
     backend_->forward(req, cache, options.observer, logits);
+    if (options.prefill_logits) {
+      *options.prefill_logits = logits;
+      logits.erase(logits.begin(), logits.end() - config_.vocab_size);  // the last position's
+    }
   }
   gen.prefill_ms = ms_since(t0);
   if (options.hook) options.hook->after_prefill(cache, prompt.tokens);
   t0 = Clock::now();
+  // Generated tokens continue the last segment (the question's for the tiny VLM, 0 for text).
   const int n_images = static_cast<int>(prompt.images.size());
   std::vector<std::int32_t> answer;
   while (static_cast<int>(gen.tokens.size()) < options.max_new) {
     const int next = argmax(logits);
     if (options.keep_logits) gen.logits.push_back(logits);
     gen.tokens.push_back(next);
-    if (next == config_.eos_token_id) break;
+    if (config_.is_eos(next)) break;
     answer.push_back(next);
     const int step = gen.decode_steps;
     TokenInfo tok;

@@ -11,13 +11,15 @@ ModelWeights load_weights(const SafetensorsFile& f, const ModelConfig& c) {
   const std::int64_t hq = c.num_q_heads, hkv = c.num_kv_heads, v = c.vocab_size;
   const std::int64_t dv = c.vision.hidden_size, np = c.vision.num_patches(), pd = c.vision.patch_dim();
   ModelWeights w;
-  w.patch_embed_w = f.to_f32("vision.patch_embed.weight", S{dv, pd});
-  w.patch_embed_b = f.to_f32("vision.patch_embed.bias", S{dv});
-  w.pos_embed = f.to_f32("vision.pos_embed", S{np, dv});
-  w.proj0_w = f.to_f32("mm_projector.0.weight", S{d, dv});
-  w.proj0_b = f.to_f32("mm_projector.0.bias", S{d});
-  w.proj2_w = f.to_f32("mm_projector.2.weight", S{d, d});
-  w.proj2_b = f.to_f32("mm_projector.2.bias", S{d});
+  if (c.has_vision()) {
+    w.patch_embed_w = f.to_f32("vision.patch_embed.weight", S{dv, pd});
+    w.patch_embed_b = f.to_f32("vision.patch_embed.bias", S{dv});
+    w.pos_embed = f.to_f32("vision.pos_embed", S{np, dv});
+    w.proj0_w = f.to_f32("mm_projector.0.weight", S{d, dv});
+    w.proj0_b = f.to_f32("mm_projector.0.bias", S{d});
+    w.proj2_w = f.to_f32("mm_projector.2.weight", S{d, d});
+    w.proj2_b = f.to_f32("mm_projector.2.bias", S{d});
+  }
   w.embed_tokens = f.to_f32("model.embed_tokens.weight", S{v, d});
   for (int i = 0; i < c.num_layers; ++i) {
     const std::string p = "model.layers." + std::to_string(i) + ".";
@@ -34,7 +36,8 @@ ModelWeights load_weights(const SafetensorsFile& f, const ModelConfig& c) {
     w.layers.push_back(std::move(l));
   }
   w.final_norm = f.to_f32("model.norm.weight", S{d});
-  w.lm_head = f.to_f32("lm_head.weight", S{v, d});
+  // Tied: HF ignores a stored lm_head.weight and uses embed_tokens; so does output().
+  if (!c.tie_word_embeddings) w.lm_head = f.to_f32("lm_head.weight", S{v, d});
   return w;
 }
 

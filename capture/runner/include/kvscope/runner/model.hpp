@@ -1,5 +1,6 @@
-// The tiny VLM: loading a model directory, building prompts, embedding them (vision front end on the host)
-// and greedy generation through a decoder backend with an optional cache hook and capture observer.
+// A model directory (the tiny VLM or a text-only HF LLaMA): loading it, building prompts (images + question
+// for the tiny VLM, text or chat for a LLaMA), embedding them (vision front end on the host) and greedy
+// generation through a decoder backend with an optional cache hook and capture observer.
 #pragma once
 
 #include <cstdint>
@@ -20,7 +21,7 @@ namespace kvscope::runner {
 // The context of a run: tokens with their labels (spec "Prompt layout") and the images they embed.
 struct Prompt {
   std::vector<TokenInfo> tokens;  // [T]
-  std::vector<std::string> text;  // [T] token text ("<img:r,c>" style labels for patches: "")
+  std::vector<std::string> text;  // [T] token text (vision patches: "")
   std::vector<Image> images;
   int size() const { return static_cast<int>(tokens.size()); }
 };
@@ -30,11 +31,13 @@ struct GenerateOptions {
   CacheHook* hook = nullptr;
   RunObserver* observer = nullptr;
   bool keep_logits = false;  // record the logits used for each generated token
+  // When set, receives the prefill's logits of every prompt position [T, V] (costs T x V floats).
+  std::vector<float>* prefill_logits = nullptr;
 };
 
 struct Generation {
-  std::vector<std::int32_t> tokens;  // generated ids, ending with <eos> when it was generated
-  std::string text;                  // the tokenizer's decoding of the answer, without <eos>
+  std::vector<std::int32_t> tokens;  // generated ids, ending with an EOS id when one was generated
+  std::string text;                  // the tokenizer's decoding of the answer, without the EOS
   int decode_steps = 0;              // tokens fed back (generated tokens except <eos>)
   double prefill_ms = 0, decode_ms = 0;
   std::vector<std::vector<float>> logits;  // [generated][V] when keep_logits
@@ -42,7 +45,8 @@ struct Generation {
 
 class Model {
  public:
-  // Loads config.json, model.safetensors and vocab.json from `dir` and creates the backend.
+  // Loads config.json, model.safetensors and the tokenizer (vocab.json for the tiny VLM, tokenizer.json for
+  // a LLaMA) from `dir` and creates the backend.
   // Throws RunnerError (kModel for the directory's files, kCuda for an unusable device).
   static Model load(const std::string& dir, Device device = Device::kCpu);
   Model(ModelConfig config, ModelWeights weights, std::shared_ptr<const Tokenizer> tokenizer, Device device);
@@ -53,16 +57,28 @@ class Model {
   const ModelWeights& weights() const { return *weights_; }
   DecoderBackend& backend() { return *backend_; }
 
-  // <bos>, per image <img> + patches + </img>, the question's words, <sep>. Throws RunnerError(kInput)
-  // for an empty question, an unknown word, a wrong image size or more tokens than the model supports.
+  // Tiny VLM: <bos>, per image <img> + patches + </img>, the question's words, <sep>. Throws
+  // RunnerError(kInput) for an empty question, an unknown word, a wrong image size, more tokens than the
+  // model supports, or a model without vision.
   Prompt build_prompt(const std::vector<Image>& images, const std::string& question) const;
+  // LLaMA: the tokenizer's ids of `text` (no automatic BOS), labelled special (the tokenizer's control
+  // tokens) or text, with their token text. Throws RunnerError(kInput) for an empty text, a prompt longer
+  // than max_position_embeddings, or the tiny VLM.
+  Prompt build_text_prompt(const std::string& text) const;
+  // LLaMA chat: `user_text` as the user message rendered through the model's chat template (its default
+  // system prompt, the assistant turn opened), then as build_text_prompt. Throws kModel when the model
+  // has no chat template, kInput as build_text_prompt.
+  Prompt build_chat_prompt(const std::string& user_text) const;
+  // The same for given ids (e.g. a reference tokenizer's); throws kInput for an id outside the vocabulary.
+  Prompt build_prompt_from_ids(const std::vector<std::int32_t>& ids) const;
   // Input embeddings [T, d]: embed_tokens rows for tokens, the projected patches for vision tokens.
   std::vector<float> embed(const Prompt& prompt) const;
   // Vision tokens of one image [Np, d].
   std::vector<float> embed_image(const Image& image) const;
   // Logits [T, V] of a full forward pass over the prompt (fresh cache, no hook).
   std::vector<float> forward_logits(const Prompt& prompt);
-  // Greedy generation: prefill, then feed each generated token back until <eos> or max_new tokens.
+  // Greedy generation: prefill, then feed each generated token back until an EOS id, max_new tokens or
+  // the last position max_position_embeddings - 1.
   Generation generate(const Prompt& prompt, const GenerateOptions& options);
 
  private:
@@ -71,6 +87,9 @@ class Model {
   std::shared_ptr<const Tokenizer> tokenizer_;
   Device device_;
   std::unique_ptr<DecoderBackend> backend_;
+
+  // Throws kInput when `n` tokens do not fit the context.
+  void check_context(int n) const;
 };
 
 }  // namespace kvscope::runner

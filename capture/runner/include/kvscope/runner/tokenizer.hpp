@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -47,6 +48,11 @@ class Vocabulary final : public Tokenizer {
   std::unordered_map<std::string, int> ids_;
   std::string origin_;
 };
+
+// The tokenizer of a model folder: tokenizer.json (Hugging Face byte-level BPE, BpeTokenizer), else
+// vocab.json (the tiny VLM's Vocabulary). Throws RunnerError(kModel) naming the folder when it has neither,
+// or naming the file when it cannot be read or is unsupported.
+std::shared_ptr<const Tokenizer> load_tokenizer(const std::string& model_dir);
 
 // The words of `text` per the spec (lowercased, "?"/"." split off). Exposed for tests.
 std::vector<std::string> split_words(const std::string& text);

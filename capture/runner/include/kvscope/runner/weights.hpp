@@ -1,4 +1,5 @@
-// The tiny VLM's weights in float32, checked against the config (names and shapes of the spec).
+// The model's weights in float32, checked against the config (the tiny-VLM spec's names and shapes; a LLaMA
+// has the same decoder names and no vision tensors).
 #pragma once
 
 #include <string>
@@ -21,6 +22,7 @@ struct LayerWeights {
 };
 
 struct ModelWeights {
+  // Vision tower and projector: tiny VLM only (empty for a LLaMA).
   std::vector<float> patch_embed_w;  // [Dv, C*P*P]
   std::vector<float> patch_embed_b;  // [Dv]
   std::vector<float> pos_embed;      // [Np, Dv]
@@ -31,11 +33,15 @@ struct ModelWeights {
   std::vector<float> embed_tokens;   // [V, d]
   std::vector<LayerWeights> layers;
   std::vector<float> final_norm;  // [d]
-  std::vector<float> lm_head;     // [V, d]
+  std::vector<float> lm_head;     // [V, d]; empty with tie_word_embeddings (output() is embed_tokens)
+
+  // The output projection [V, d]: lm_head, or embed_tokens when the embeddings are tied (not copied).
+  const std::vector<float>& output() const { return lm_head.empty() ? embed_tokens : lm_head; }
 };
 
-// Reads every weight of the spec from `file`. Throws RunnerError(kModel) naming the tensor and the
-// expected and actual shapes for a missing or mismatched tensor.
+// Reads every weight the config needs from `file` (lm_head.weight only without tie_word_embeddings). Throws
+// RunnerError(kModel) naming the tensor and the expected and actual shapes for a missing or mismatched
+// tensor.
 ModelWeights load_weights(const SafetensorsFile& file, const ModelConfig& config);
 
 }  // namespace kvscope::runner
