@@ -6,7 +6,9 @@ transformers in this process (torch.set_num_threads(N), float32, the model's def
 one prefill over the prompt that computes the last token's logits only, then greedy decode steps that feed
 the argmax back (EOS not special). The prompt is real prose: the license texts of /usr/share/common-licenses
 (Debian's base-files), concatenated in name order, tokenized with the model's tokenizer.json, the first N
-tokens. Medians over the repetitions go to stdout as a Markdown table; progress goes to stderr.
+tokens. Both run with OMP_WAIT_POLICY=PASSIVE unless it is set (kvscope's tools default to it; with spinning
+waits on a loaded machine every parallel region of a decode step waits for a descheduled thread).
+Medians over the repetitions go to stdout as a Markdown table; progress goes to stderr.
 """
 
 import argparse
@@ -86,6 +88,9 @@ def main():
     if a.threads < 1 or a.repeat < 1 or a.decode < 0 or min(lengths) < 1:
         sys.exit("bench-real-model: --threads, --repeat and the lengths must be >= 1, --decode >= 0")
 
+    # The same OpenMP runtime setting for both: kvrunner-bench (like every kvscope tool) runs with
+    # OMP_WAIT_POLICY=PASSIVE unless the user set it; torch's libgomp reads it when torch loads.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
@@ -118,7 +123,8 @@ def main():
 
     core = runs[0]["ours"].get("blas_core", "?")
     print(f"threads {a.threads}, decode steps {a.decode}, {a.repeat} runs each (medians), "
-          f"torch {torch.__version__}, OpenBLAS core {core}\n")
+          f"torch {torch.__version__}, OpenBLAS core {core}, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, "
+          f"load average {os.getloadavg()[0]:.1f} at the end\n")
     print("| prompt | ours prefill tok/s | HF prefill tok/s | ratio | ours decode tok/s | HF decode tok/s | ratio "
           "| same next token |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")

@@ -19,7 +19,7 @@ namespace {
 ModelConfig small_config() {
   ModelConfig c;
   c.hidden_size = 48;
-  c.intermediate_size = 136;  // not a multiple of the 64-feature column block
+  c.intermediate_size = 800;  // two column blocks of a prefill (768 + 32), 13 of a decode step (64 each)
   c.num_layers = 2;
   c.num_q_heads = 6;
   c.num_kv_heads = 2;
@@ -27,7 +27,7 @@ ModelConfig small_config() {
   c.rms_norm_eps = 1e-5;
   c.rope_theta = 10000.0;
   c.max_position_embeddings = 1024;
-  c.vocab_size = 200;
+  c.vocab_size = 1000;  // two column blocks of all-position logits
   c.eos_token_id = -1;  // generation runs its max_new steps
   return c;
 }
@@ -67,7 +67,7 @@ ModelWeights random_weights(const ModelConfig& c) {
 
 class Ids final : public Tokenizer {
  public:
-  int size() const override { return 200; }
+  int size() const override { return 1000; }
   const std::string& text(int) const override { return text_; }
   std::vector<std::int32_t> encode(const std::string&) const override { return {}; }
   std::string decode(const std::vector<std::int32_t>&) const override { return {}; }
@@ -79,7 +79,7 @@ class Ids final : public Tokenizer {
 
 Prompt random_prompt(int t) {
   std::mt19937 rng(5);
-  std::uniform_int_distribution<int> u(0, 199);
+  std::uniform_int_distribution<int> u(0, 999);
   Prompt p;
   for (int i = 0; i < t; ++i) {
     TokenInfo ti;
@@ -185,11 +185,12 @@ std::vector<double> reference_logits(const ModelConfig& c, const ModelWeights& w
   return logits;
 }
 
-// 300 tokens: three row blocks of 128 (the last partial), five query blocks of 64 (the last partial).
+// 600 tokens: two row blocks of 512 (the second partial), ten query blocks of 64 (the last partial), three
+// key blocks of 256 for the last queries.
 TEST(RunnerTiling, LongPromptLogitsMatchFloat64Reference) {
   const ModelConfig c = small_config();
   Model model(c, random_weights(c), std::make_shared<Ids>(), Device::kCpu);
-  const Prompt p = random_prompt(300);
+  const Prompt p = random_prompt(600);
   const std::vector<float> got = model.forward_logits(p);
   const std::vector<double> want = reference_logits(c, model.weights(), p);
   ASSERT_EQ(got.size(), want.size());
@@ -207,7 +208,7 @@ TEST(RunnerTiling, LongPromptLogitsMatchFloat64Reference) {
 TEST(RunnerTiling, LogitsAreIndependentOfTheThreadCount) {
   const ModelConfig c = small_config();
   Model model(c, random_weights(c), std::make_shared<Ids>(), Device::kCpu);
-  const Prompt p = random_prompt(300);
+  const Prompt p = random_prompt(600);
   const int saved = omp_get_max_threads();
   std::vector<std::vector<float>> prefill, decode;
   for (int threads : {1, 2, 3}) {
