@@ -7,7 +7,8 @@ one prefill over the prompt that computes the last token's logits only, then gre
 the argmax back (EOS not special). The prompt is real prose: the license texts of /usr/share/common-licenses
 (Debian's base-files), concatenated in name order, tokenized with the model's tokenizer.json, the first N
 tokens. Both run with OMP_WAIT_POLICY=PASSIVE unless it is set (kvscope's tools default to it; with spinning
-waits on a loaded machine every parallel region of a decode step waits for a descheduled thread).
+waits on a loaded machine every parallel region of a decode step waits for a descheduled thread);
+--hf-default-omp-wait leaves it unset for torch.
 Medians over the repetitions go to stdout as a Markdown table; progress goes to stderr.
 """
 
@@ -75,6 +76,8 @@ def main():
     ap.add_argument("--repeat", type=int, default=3, help="runs of each per length (default 3); medians shown")
     ap.add_argument("--decode", type=int, default=32, help="decode steps after each prefill (default 32)")
     ap.add_argument("--json", help="also write every run's numbers to this file")
+    ap.add_argument("--hf-default-omp-wait", action="store_true",
+                    help="leave OMP_WAIT_POLICY unset for torch (libgomp's spinning default); ours stays passive")
     ap.add_argument("--default-model", help=argparse.SUPPRESS)
     ap.add_argument("--default-runner", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -90,7 +93,8 @@ def main():
 
     # The same OpenMP runtime setting for both: kvrunner-bench (like every kvscope tool) runs with
     # OMP_WAIT_POLICY=PASSIVE unless the user set it; torch's libgomp reads it when torch loads.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if not a.hf_default_omp_wait:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
@@ -123,7 +127,7 @@ def main():
 
     core = runs[0]["ours"].get("blas_core", "?")
     print(f"threads {a.threads}, decode steps {a.decode}, {a.repeat} runs each (medians), "
-          f"torch {torch.__version__}, OpenBLAS core {core}, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, "
+          f"torch {torch.__version__}, OpenBLAS core {core}, OMP_WAIT_POLICY for HF: {os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
           f"load average {os.getloadavg()[0]:.1f} at the end\n")
     print("| prompt | ours prefill tok/s | HF prefill tok/s | ratio | ours decode tok/s | HF decode tok/s | ratio "
           "| same next token |")
