@@ -181,8 +181,14 @@ std::string read_prompt(const po::variables_map& vm) {
   } else {
     const std::string path = vm["prompt-file"].as<std::string>();
     std::error_code ec;
-    if (!std::filesystem::is_regular_file(path, ec))
+    if (!std::filesystem::exists(path, ec))
       throw std::invalid_argument(path + ": cannot open the prompt file (no such file)");
+    if (!std::filesystem::is_regular_file(path, ec))
+      throw std::invalid_argument(path + ": cannot open the prompt file (not a regular file)");
+    // A context of even 128K tokens is a few MB of text: a larger file is a mistake, not a prompt.
+    constexpr std::uintmax_t kMaxPromptBytes = 16u << 20;
+    if (std::filesystem::file_size(path, ec) > kMaxPromptBytes)
+      throw std::invalid_argument(path + ": the prompt file is larger than 16 MiB");
     std::ifstream in(path, std::ios::binary);
     if (!in) throw std::invalid_argument(path + ": cannot open the prompt file");
     std::stringstream ss;
@@ -207,18 +213,17 @@ int run_command(const std::vector<std::string>& args) {
     return fail(std::string(e.what()) + " (see kvcap run --help)");
   }
   if (vm.count("help")) {
-    std::cout
-        << opts
-        << "\nExamples:\n"
-           "  kvcap run --model traces/models/tiny-shapes --scene 7 --question \"how many shapes ?\" "
-           "-o t.h5\n"
-           "  kvcap run --model traces/models/tiny-shapes --scene 3,8 \\\n"
-           "      --question \"which image has more shapes ?\" --max-new 8 -o two.h5\n"
-           "  kvcap run --model DIR --image a.png --question \"what color is the circle ?\" -o a.h5\n"
-           "  kvcap run --model ~/.cache/kvscope/models/smollm2-135m-instruct --chat \\\n"
-           "      --prompt \"What is the capital of France?\" -o paris.h5\n"
-           "  kvcap run --model ~/.cache/kvscope/models/smollm2-135m-instruct \\\n"
-           "      --prompt-file /usr/share/common-licenses/GPL-3 --max-new 32 --dtype float16 -o gpl.h5\n";
+    std::cout << opts
+              << "\nExamples:\n"
+                 "  kvcap run --model traces/models/tiny-shapes --scene 7 --question \"how many shapes ?\" "
+                 "-o t.h5\n"
+                 "  kvcap run --model traces/models/tiny-shapes --scene 3,8 \\\n"
+                 "      --question \"which image has more shapes ?\" --max-new 8 -o two.h5\n"
+                 "  kvcap run --model DIR --image a.png --question \"what color is the circle ?\" -o a.h5\n"
+                 "  kvcap run --model ~/.cache/kvscope/models/smollm2-135m-instruct --chat \\\n"
+                 "      --prompt \"What is the capital of France?\" -o paris.h5\n"
+                 "  kvcap run --model ~/.cache/kvscope/models/smollm2-135m-instruct \\\n"
+                 "      --prompt-file notes.txt --max-new 32 --dtype float16 -o notes.h5\n";
     return kExitOk;
   }
   for (const char* required : {"model", "output"}) {

@@ -1,15 +1,17 @@
 // Test driver for the real-model tests (test_llama_vs_hf.py): runs our CPU runner on given token ids and
 // writes what the Python side compares against Hugging Face.
 //   llama_eval MODEL_DIR IDS_FILE OUT_DIR MAX_NEW
-// IDS_FILE: whitespace-separated token ids. Writes OUT_DIR/logits.npy (float32 [T, V], every position of
-// one forward pass) and OUT_DIR/greedy.txt (the greedy continuation's ids, at most MAX_NEW, ending with an
-// EOS id when one was generated; none when MAX_NEW is 0) from the same prefill. Exit 2 with one line on
+// IDS_FILE: one prompt per line, each whitespace-separated token ids. For prompt i (from 0) writes
+// OUT_DIR/logits_<i>.npy (float32 [T, V], every position of the prefill) and OUT_DIR/greedy_<i>.txt (the
+// greedy continuation's ids from the same prefill, at most MAX_NEW, ending with an EOS id when one was
+// generated; none when MAX_NEW is 0). The model loads once. Exit 2 with one line on
 // stderr on bad input.
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -53,28 +55,35 @@ int main(int argc, char** argv) {
   try {
     std::ifstream in(argv[2]);
     if (!in) throw std::runtime_error(std::string(argv[2]) + ": cannot open");
-    std::vector<std::int32_t> ids;
-    for (long long v; in >> v;) ids.push_back(static_cast<std::int32_t>(v));
-    if (!in.eof()) throw std::runtime_error(std::string(argv[2]) + ": not a list of integers");
+    std::vector<std::vector<std::int32_t>> prompts;
+    for (std::string line; std::getline(in, line);) {
+      std::istringstream ls(line);
+      std::vector<std::int32_t> ids;
+      for (long long v; ls >> v;) ids.push_back(static_cast<std::int32_t>(v));
+      if (!ls.eof()) throw std::runtime_error(std::string(argv[2]) + ": not lines of integers");
+      if (!ids.empty()) prompts.push_back(std::move(ids));
+    }
     const int max_new = std::stoi(argv[4]);
     auto t0 = std::chrono::steady_clock::now();
     Model model = Model::load(argv[1]);
-    const double load_s = seconds_since(t0);
-    const kvscope::runner::Prompt prompt = model.build_prompt_from_ids(ids);
-    // One prefill gives every position's logits and starts the greedy continuation.
-    t0 = std::chrono::steady_clock::now();
-    std::vector<float> logits;  // [T, V]
-    kvscope::runner::GenerateOptions opt;
-    opt.max_new = max_new;
-    opt.prefill_logits = &logits;
-    const kvscope::runner::Generation gen = model.generate(prompt, opt);
-    const double forward_s = seconds_since(t0);
-    write_npy(fs::path(argv[3]) / "logits.npy", logits, prompt.size(), model.config().vocab_size);
-    std::ofstream greedy(fs::path(argv[3]) / "greedy.txt");
-    for (std::size_t i = 0; i < gen.tokens.size() && static_cast<int>(i) < max_new; ++i)
-      greedy << gen.tokens[i] << "\n";
-    std::printf("llama_eval: %d tokens; load %.2f s, prefill + %d greedy tokens %.2f s\n", prompt.size(),
-                load_s, max_new, forward_s);
+    std::printf("llama_eval: load %.2f s\n", seconds_since(t0));
+    for (std::size_t i = 0; i < prompts.size(); ++i) {
+      const kvscope::runner::Prompt prompt = model.build_prompt_from_ids(prompts[i]);
+      // One prefill gives every position's logits and starts the greedy continuation.
+      t0 = std::chrono::steady_clock::now();
+      std::vector<float> logits;  // [T, V]
+      kvscope::runner::GenerateOptions opt;
+      opt.max_new = max_new;
+      opt.prefill_logits = &logits;
+      const kvscope::runner::Generation gen = model.generate(prompt, opt);
+      std::printf("llama_eval: prompt %zu: %d tokens, prefill + %zu greedy tokens %.2f s\n", i, prompt.size(),
+                  gen.tokens.size(), seconds_since(t0));
+      const std::string n = std::to_string(i);
+      write_npy(fs::path(argv[3]) / ("logits_" + n + ".npy"), logits, prompt.size(),
+                model.config().vocab_size);
+      std::ofstream greedy(fs::path(argv[3]) / ("greedy_" + n + ".txt"));
+      for (std::int32_t id : gen.tokens) greedy << id << "\n";
+    }
   } catch (const std::exception& e) {
     std::cerr << "llama_eval: " << e.what() << "\n";
     return 2;

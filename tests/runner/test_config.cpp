@@ -79,6 +79,13 @@ TEST(Config, SmolLm2Llama) {
   EXPECT_EQ(c.image_start_token_id, -1);
 }
 
+TEST(Config, EosWithoutAListIsEosTokenId) {
+  ModelConfig c;  // built in code: no eos_token_ids
+  c.eos_token_id = 7;
+  EXPECT_TRUE(c.is_eos(7));
+  EXPECT_FALSE(c.is_eos(2));
+}
+
 TEST(Config, TinyVlmStillParses) {
   const ModelConfig c = parse(tiny());
   EXPECT_EQ(c.kind, ModelKind::kTinyVlm);

@@ -264,6 +264,13 @@ TEST_F(KvcapRun, PromptOptionsMatchTheModelKind) {
   expect_bad("run --model " + q(llama) + " --chat --prompt ' \n '" + tail, "--prompt is empty", out);
   expect_bad("run --model " + q(llama) + " --prompt-file " + q(dir_ / "missing.txt") + tail,
              (dir_ / "missing.txt").string() + ": cannot open the prompt file", out);
+  expect_bad("run --model " + q(llama) + " --prompt-file " + q(dir_) + tail, "(not a regular file)", out);
+  {
+    std::ofstream(dir_ / "huge.txt") << "x";
+    fs::resize_file(dir_ / "huge.txt", (16u << 20) + 1);  // sparse
+  }
+  expect_bad("run --model " + q(llama) + " --prompt-file " + q(dir_ / "huge.txt") + tail,
+             "the prompt file is larger than 16 MiB", out);
   { std::ofstream(dir_ / "blank.txt") << "\n\n"; }
   expect_bad("run --model " + q(llama) + " --prompt-file " + q(dir_ / "blank.txt") + tail,
              "the prompt is empty", out);
@@ -328,7 +335,7 @@ TEST_F(KvcapRun, SmolLm2ChatAnswersParis) {
     EXPECT_TRUE(tok.modality[i] == 0 || tok.modality[i] == 3) << i;
     EXPECT_EQ(tok.position[i], static_cast<std::int32_t>(i));
   }
-  EXPECT_EQ(specials, 6);  // three <|im_start|>, two <|im_end|> ... and the generation prompt's <|im_start|>
+  EXPECT_EQ(specials, 5);  // <|im_start|> of system, user and assistant; <|im_end|> of system and user
   EXPECT_NE(
       joined.find("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"),
       std::string::npos)

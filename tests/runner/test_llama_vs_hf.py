@@ -46,19 +46,18 @@ def llama_permute(w, n_head: int):
     return w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def run_ours(model: Path, ids, max_new: int, tmp: Path):
-    """(logits [T, V], greedy ids) of llama_eval on `ids`."""
+def run_ours(model: Path, prompts, max_new: int, tmp: Path):
+    """[(logits [T, V], greedy ids)] of llama_eval on each prompt (one model load)."""
     import numpy as np
     tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / "ids.txt").write_text(" ".join(str(int(i)) for i in ids))
+    (tmp / "ids.txt").write_text("".join(" ".join(str(int(i)) for i in ids) + "\n" for ids in prompts))
     r = subprocess.run([LLAMA_EVAL, str(model), str(tmp / "ids.txt"), str(tmp), str(max_new)],
                        capture_output=True, text=True, timeout=500)
     if r.returncode != 0:
         raise AssertionError(f"llama_eval failed ({r.returncode}): {r.stderr.strip()}")
     print(r.stdout.strip(), flush=True)
-    logits = np.load(tmp / "logits.npy")
-    greedy = [int(x) for x in (tmp / "greedy.txt").read_text().split()]
-    return logits, greedy
+    return [(np.load(tmp / f"logits_{i}.npy"), [int(x) for x in (tmp / f"greedy_{i}.txt").read_text().split()])
+            for i in range(len(prompts))]
 
 
 def perplexity(logits, ids) -> float:
@@ -99,12 +98,13 @@ class LlamaVsHf(unittest.TestCase):
                                    pad_token_id=self.tok.eos_token_id)
         return [int(x) for x in out[0, len(ids):]]
 
-    def test_logits_and_greedy_match_hf(self):
+    def test_1_logits_and_greedy_match_hf(self):
         import numpy as np
         import torch
         self.assertGreaterEqual(len(self.prose_ids), N_PROMPT, "the prose is too short")
         ids = self.prose_ids[:N_PROMPT]
-        ours, greedy = run_ours(MODEL, ids, N_GREEDY, self.tmp_path / "prose")
+        (ours, greedy), (_, chat) = run_ours(MODEL, [ids, self.chat_ids], N_GREEDY, self.tmp_path / "good")
+        type(self).good_prose_logits, type(self).good_chat = ours[:N_PPL], chat
         with torch.no_grad():
             ref = self.hf(torch.tensor([ids])).logits[0].numpy()
         self.assertEqual(ours.shape, ref.shape)
@@ -114,8 +114,9 @@ class LlamaVsHf(unittest.TestCase):
         ref_greedy = self.hf_greedy(ids, N_GREEDY)
         self.assertEqual(greedy, ref_greedy)
         self.assertEqual(len(greedy), N_GREEDY)
+        self.assertEqual(chat, self.hf_greedy(self.chat_ids, N_GREEDY))
 
-    def test_llama_cpp_qk_layout_is_caught(self):
+    def test_2_llama_cpp_qk_layout_is_caught(self):
         import numpy as np
         from safetensors.numpy import load_file, save_file
         from kvscope.gguf_import import unpermute_rope_rows
@@ -139,18 +140,17 @@ class LlamaVsHf(unittest.TestCase):
         del weights, permuted
 
         text = self.prose_ids[:N_PPL]
-        good_logits, _ = run_ours(MODEL, text, 0, self.tmp_path / "ppl-good")
-        bad_logits, _ = run_ours(bad, text, 0, self.tmp_path / "ppl-bad")
-        ppl_good, ppl_bad = perplexity(good_logits, text), perplexity(bad_logits, text)
-        del good_logits, bad_logits
+        if not hasattr(self, "good_prose_logits"):  # run alone: the imported model's side here
+            (prose, _), (_, chat) = run_ours(MODEL, [text, self.chat_ids], N_GREEDY, self.tmp_path / "good")
+            type(self).good_prose_logits, type(self).good_chat = prose[:N_PPL], chat
+        (bad_logits, _), (_, bad_answer) = run_ours(bad, [text, self.chat_ids], 12, self.tmp_path / "bad")
+        ppl_good, ppl_bad = perplexity(self.good_prose_logits, text), perplexity(bad_logits, text)
+        del bad_logits
         print(f"perplexity on {N_PPL} tokens of GPL-3: imported {ppl_good:.2f}, llama.cpp q/k layout "
               f"{ppl_bad:.2f}")
         self.assertLess(ppl_good, 40.0)
         self.assertGreater(ppl_bad, 5 * ppl_good)
-
-        _, good_answer = run_ours(MODEL, self.chat_ids, 12, self.tmp_path / "chat-good")
-        _, bad_answer = run_ours(bad, self.chat_ids, 12, self.tmp_path / "chat-bad")
-        good_text = self.tok.decode(good_answer, skip_special_tokens=True)
+        good_text = self.tok.decode(self.good_chat, skip_special_tokens=True)
         bad_text = self.tok.decode(bad_answer, skip_special_tokens=True)
         print(f"chat answer: imported {good_text!r}, llama.cpp q/k layout {bad_text!r}")
         self.assertIn("Paris", good_text)

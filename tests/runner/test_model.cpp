@@ -1,9 +1,12 @@
 // The CPU runner against the PyTorch reference (logits, generation, layer-0 Q/K/V), KV-cache decode against
 // full recompute, and the cache hook (no-op, eviction, merge bias).
 #include <cblas.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <thread>
 
 #include "kvscope/runner/error.hpp"
@@ -215,6 +218,113 @@ TEST(Prompts, IdsPromptsAreLabelledAndCheckedAndTextPromptsNeedATextModel) {
   auto [k4, m4] = kind_of([&] { model.build_text_prompt("how many shapes ?"); });
   EXPECT_EQ(k4, ErrorKind::kInput);
   EXPECT_NE(m4.find("is the tiny VLM"), std::string::npos) << m4;
+}
+
+TEST(Generation, NeverFeedsATokenPastTheContext) {
+  Model model = Model::load(testing::fixture_dir("none").string());
+  const int n = model.config().max_position_embeddings;  // 512
+  const Prompt full = model.build_prompt_from_ids(std::vector<std::int32_t>(static_cast<std::size_t>(n), 6));
+  GenerateOptions opt;
+  opt.max_new = 5;
+  const Generation g = model.generate(full, opt);
+  EXPECT_EQ(g.decode_steps, 0);  // the one generated token has no position left to be fed at
+  EXPECT_EQ(g.tokens.size(), 1u);
+  const Prompt almost =
+      model.build_prompt_from_ids(std::vector<std::int32_t>(static_cast<std::size_t>(n - 2), 6));
+  const Generation g2 = model.generate(almost, opt);
+  EXPECT_LE(g2.decode_steps, 2);
+}
+
+// The tiny VLM fixture "none" as a text-only LLaMA directory (its decoder tensors; vision tensors and the
+// image/sep ids unused; vocab.json as the tokenizer).
+fs::path llama_from_fixture(bool tied) {
+  const fs::path src = testing::fixture_dir("none");
+  const fs::path dst = fs::temp_directory_path() /
+                       ("kvscope_llama_fixture_" + std::to_string(tied) + "_" + std::to_string(::getpid()));
+  fs::create_directories(dst);
+  for (const char* f : {"model.safetensors", "vocab.json"})
+    fs::copy_file(src / f, dst / f, fs::copy_options::overwrite_existing);
+  std::ifstream in(src / "config.json");
+  nlohmann::json c = nlohmann::json::parse(in);
+  c["architectures"] = {"LlamaForCausalLM"};
+  c["model_type"] = "llama";
+  c["tie_word_embeddings"] = tied;
+  c["hidden_act"] = "silu";
+  for (const char* k : {"vision_config", "image_start_token_id", "image_end_token_id", "sep_token_id"})
+    c.erase(k);
+  std::ofstream(dst / "config.json") << c.dump(2);
+  return dst;
+}
+
+TEST(TextLlama, SameDecoderAsTheTinyVlmAndTiedEmbeddingsReadEmbedTokens) {
+  const fs::path untied_dir = llama_from_fixture(false), tied_dir = llama_from_fixture(true);
+  Model tiny = Model::load(testing::fixture_dir("none").string());
+  Model untied = Model::load(untied_dir.string());
+  Model tied = Model::load(tied_dir.string());
+  fs::remove_all(untied_dir);
+  fs::remove_all(tied_dir);
+  EXPECT_EQ(untied.config().kind, ModelKind::kLlama);
+  EXPECT_TRUE(untied.weights().patch_embed_w.empty());
+  EXPECT_FALSE(untied.weights().lm_head.empty());
+  EXPECT_TRUE(tied.weights().lm_head.empty());
+  const std::vector<std::int32_t> ids = {1, 6, 7, 8, 9, 10};
+  // Text tokens through the same decoder: the same logits as the tiny VLM.
+  const std::vector<float> a = tiny.forward_logits(tiny.build_prompt_from_ids(ids));
+  const std::vector<float> b = untied.forward_logits(untied.build_prompt_from_ids(ids));
+  EXPECT_EQ(a, b);
+  // Tied: the output projection is embed_tokens, as in an untied model whose lm_head is a copy of it.
+  ModelWeights w = untied.weights();
+  w.lm_head = w.embed_tokens;
+  Model copied(untied.config(), std::move(w), load_tokenizer(testing::fixture_dir("none").string()),
+               Device::kCpu);
+  const std::vector<float> t = tied.forward_logits(tied.build_prompt_from_ids(ids));
+  EXPECT_EQ(t, copied.forward_logits(copied.build_prompt_from_ids(ids)));
+  EXPECT_NE(t, b);
+}
+
+TEST(SmolLm2, TiedEmbeddingsAreNotCopiedAndNoVisionIsLoaded) {
+  KVSCOPE_SKIP_WITHOUT_SMOLLM2();
+  Model model = Model::load(testing::smollm2_dir().string());
+  const ModelWeights& w = model.weights();
+  EXPECT_TRUE(model.config().tie_word_embeddings);
+  EXPECT_TRUE(w.lm_head.empty());
+  EXPECT_EQ(&w.output(), &w.embed_tokens);
+  EXPECT_EQ(w.embed_tokens.size(), 49152u * 576u);
+  EXPECT_TRUE(w.patch_embed_w.empty());
+  EXPECT_TRUE(w.proj2_w.empty());
+  EXPECT_EQ(w.layers.size(), 30u);
+  // A text prompt: specials labelled 3 with their text, the rest text (0).
+  const Prompt p = model.build_text_prompt("<|im_start|>user\nHello<|im_end|>");
+  ASSERT_GE(p.size(), 4);
+  EXPECT_EQ(p.tokens.front().token_id, 1);
+  EXPECT_EQ(p.tokens.front().modality, 3);
+  EXPECT_EQ(p.text.front(), "<|im_start|>");
+  EXPECT_EQ(p.tokens.back().token_id, 2);
+  EXPECT_EQ(p.tokens.back().modality, 3);
+  EXPECT_EQ(p.tokens[1].modality, 0);
+  EXPECT_EQ(p.text[1], "user");
+  std::string joined;
+  for (const auto& t : p.text) joined += t;
+  EXPECT_EQ(joined, "<|im_start|>user\nHello<|im_end|>");
+  try {
+    model.build_text_prompt("");
+    ADD_FAILURE() << "an empty prompt was accepted";
+  } catch (const RunnerError& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInput);
+  }
+  try {
+    model.build_prompt({}, "how many shapes ?");
+    ADD_FAILURE() << "a tiny-VLM prompt was accepted by a text model";
+  } catch (const RunnerError& e) {
+    EXPECT_NE(std::string(e.what()).find("is a text model"), std::string::npos) << e.what();
+  }
+  // The chat prompt is the template's rendering, tokenized.
+  const Prompt chat = model.build_chat_prompt("Hi");
+  std::string chat_text;
+  for (const auto& t : chat.text) chat_text += t;
+  EXPECT_EQ(chat_text,
+            "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+            "Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
 }
 
 class KeepAllHook : public CacheHook {

@@ -278,33 +278,40 @@ BpeTokenizer BpeTokenizer::load(const std::string& path) {
     return RunnerError(ErrorKind::kModel, path + ": " + what);
   };
   if (!j.is_object()) throw bad("expected a JSON object");
-  const auto get = [&](const nlohmann::json& obj, const char* key) -> nlohmann::json {
-    return obj.is_object() && obj.contains(key) ? obj[key] : nlohmann::json();
+  static const nlohmann::json kNull;
+  const auto get = [](const nlohmann::json& obj, const char* key) -> const nlohmann::json& {
+    if (!obj.is_object()) return kNull;
+    const auto it = obj.find(key);
+    return it == obj.end() ? kNull : *it;
   };
 
   BpeTokenizer tok;
   tok.origin_ = path;
 
   // model
-  const nlohmann::json model = get(j, "model");
+  const nlohmann::json& model = get(j, "model");
   if (!model.is_object()) throw bad("no \"model\" object");
-  const nlohmann::json type = get(model, "type");
+  const nlohmann::json& type = get(model, "type");
   if (type != "BPE")
     unsupported(path, "model.type " + (type.is_null() ? std::string("missing") : dump(type)));
   if (get(model, "byte_fallback") == true) unsupported(path, "model.byte_fallback true");
   for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix", "dropout"}) {
-    const nlohmann::json v = get(model, key);
+    const nlohmann::json& v = get(model, key);
     if (!v.is_null() && v != "") unsupported(path, std::string("model.") + key + " " + dump(v));
   }
   tok.ignore_merges_ = get(model, "ignore_merges") == true;
-  const nlohmann::json vocab = get(model, "vocab");
+  const nlohmann::json& vocab = get(model, "vocab");
   if (!vocab.is_object() || vocab.empty()) throw bad("model.vocab must be a non-empty object");
 
   std::vector<std::string> spelled;  // [size] tokenizer.json spelling of each id
+  // ids are dense, so none can reach the number of entries (which also bounds what we allocate)
+  const nlohmann::json& added_json = get(j, "added_tokens");
+  const long long entries =
+      static_cast<long long>(vocab.size() + (added_json.is_array() ? added_json.size() : 0));
   const auto place = [&](const std::string& s, const nlohmann::json& id_json, const char* where) {
-    if (!id_json.is_number_integer() || id_json.get<long long>() < 0 ||
-        id_json.get<long long>() > 10'000'000) {
-      throw bad(std::string(where) + " \"" + s + "\": id must be an integer in 0..10000000");
+    if (!id_json.is_number_integer() || id_json.get<long long>() < 0 || id_json.get<long long>() >= entries) {
+      throw bad(std::string(where) + " \"" + s + "\": id must be an integer in 0.." +
+                std::to_string(entries - 1) + " (the file has " + std::to_string(entries) + " tokens)");
     }
     const auto id = static_cast<std::size_t>(id_json.get<long long>());
     if (id >= spelled.size()) spelled.resize(id + 1);
@@ -321,7 +328,7 @@ BpeTokenizer BpeTokenizer::load(const std::string& path) {
   }
 
   // added tokens (their ids may also be vocabulary ids)
-  const nlohmann::json added = get(j, "added_tokens");
+  const nlohmann::json& added = get(j, "added_tokens");
   if (!added.is_null() && !added.is_array()) throw bad("added_tokens must be an array");
   std::vector<char> special;
   std::vector<std::pair<std::size_t, std::string>> added_text;
@@ -376,7 +383,7 @@ BpeTokenizer BpeTokenizer::load(const std::string& path) {
   }
 
   // merges: "a b" or ["a", "b"]; rank = position
-  const nlohmann::json merges = get(model, "merges");
+  const nlohmann::json& merges = get(model, "merges");
   if (!merges.is_array()) throw bad("model.merges must be an array");
   for (std::size_t r = 0; r < merges.size(); ++r) {
     const nlohmann::json& m = merges[r];
@@ -404,7 +411,7 @@ BpeTokenizer BpeTokenizer::load(const std::string& path) {
 
   // normalizer, pre-tokenizer, post-processor, decoder
   if (!get(j, "normalizer").is_null()) unsupported(path, "normalizer " + dump(get(j, "normalizer")));
-  const nlohmann::json pre = get(j, "pre_tokenizer");
+  const nlohmann::json& pre = get(j, "pre_tokenizer");
   std::vector<nlohmann::json> stages;
   if (get(pre, "type") == "Sequence" && get(pre, "pretokenizers").is_array()) {
     for (const auto& p : pre["pretokenizers"]) stages.push_back(p);
@@ -413,7 +420,7 @@ BpeTokenizer BpeTokenizer::load(const std::string& path) {
   }
   bool byte_level = false;
   for (const auto& p : stages) {
-    const nlohmann::json t = get(p, "type");
+    const nlohmann::json& t = get(p, "type");
     if (byte_level) unsupported(path, "pre_tokenizer " + dump(p) + " after ByteLevel");
     if (t == "ByteLevel") {
       if (get(p, "add_prefix_space") == true)
@@ -431,9 +438,9 @@ BpeTokenizer BpeTokenizer::load(const std::string& path) {
   }
   if (!byte_level)
     unsupported(path, "pre_tokenizer " + dump(pre) + " (a ByteLevel pre-tokenizer is required)");
-  const nlohmann::json post = get(j, "post_processor");
+  const nlohmann::json& post = get(j, "post_processor");
   if (!post.is_null() && get(post, "type") != "ByteLevel") unsupported(path, "post_processor " + dump(post));
-  const nlohmann::json dec = get(j, "decoder");
+  const nlohmann::json& dec = get(j, "decoder");
   if (get(dec, "type") != "ByteLevel") unsupported(path, "decoder " + dump(dec));
   return tok;
 }
@@ -445,7 +452,10 @@ const std::string& BpeTokenizer::text(int id) const {
   return text_[static_cast<std::size_t>(id)];
 }
 
-bool BpeTokenizer::is_special(int id) const { return text(id), special_[static_cast<std::size_t>(id)] != 0; }
+bool BpeTokenizer::is_special(int id) const {
+  text(id);  // throws for a bad id
+  return special_[static_cast<std::size_t>(id)] != 0;
+}
 
 int BpeTokenizer::id(const std::string& token) const {
   auto it = spelled_.find(token);

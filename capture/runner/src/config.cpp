@@ -59,6 +59,7 @@ double ModelConfig::rope_position_scale() const {
 }
 
 bool ModelConfig::is_eos(int id) const {
+  if (eos_token_ids.empty()) return id == eos_token_id;  // a config built in code
   return std::find(eos_token_ids.begin(), eos_token_ids.end(), id) != eos_token_ids.end();
 }
 

@@ -7,10 +7,9 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
-#include <nlohmann/json.hpp>
 
 #include "kvscope/kernels/blas_runtime.hpp"
+#include "kvscope/runner/chat_template.hpp"
 #include "kvscope/runner/error.hpp"
 #include "kvscope/runner/safetensors.hpp"
 
@@ -36,53 +35,6 @@ int argmax(const std::vector<float>& v) {
   return static_cast<int>(std::max_element(v.begin(), v.end()) - v.begin());
 }
 
-// INTERIM until the BPE tokenizer (branch bpe) is merged: token text and special flags from tokenizer.json,
-// no text encoding.
-class TokenizerJsonIds final : public Tokenizer {
- public:
-  static TokenizerJsonIds load(const std::string& path) {
-    std::ifstream in(path);
-    if (!in) throw RunnerError(ErrorKind::kModel, path + ": cannot open");
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(in);
-    } catch (const nlohmann::json::exception& e) {
-      throw RunnerError(ErrorKind::kModel, path + ": not valid JSON");
-    }
-    TokenizerJsonIds t;
-    const auto& vocab = j.at("model").at("vocab");
-    t.text_.resize(vocab.size());
-    t.special_.assign(vocab.size(), 0);
-    for (auto it = vocab.begin(); it != vocab.end(); ++it)
-      t.text_.at(it.value().get<std::size_t>()) = it.key();
-    for (const auto& a : j.at("added_tokens")) {
-      const std::size_t id = a.at("id").get<std::size_t>();
-      if (id >= t.text_.size()) {
-        t.text_.resize(id + 1);
-        t.special_.resize(id + 1, 0);
-      }
-      t.text_[id] = a.at("content").get<std::string>();
-      t.special_[id] = a.value("special", false) ? 1 : 0;
-    }
-    return t;
-  }
-  int size() const override { return static_cast<int>(text_.size()); }
-  const std::string& text(int id) const override { return text_.at(static_cast<std::size_t>(id)); }
-  std::vector<std::int32_t> encode(const std::string&) const override {
-    throw RunnerError(ErrorKind::kInput, "text encoding needs the BPE tokenizer (not in this build yet)");
-  }
-  std::string decode(const std::vector<std::int32_t>& ids) const override {
-    std::string s;
-    for (auto id : ids) s += text(id);
-    return s;
-  }
-  bool is_special(int id) const override { return special_.at(static_cast<std::size_t>(id)) != 0; }
-
- private:
-  std::vector<std::string> text_;
-  std::vector<char> special_;
-};
-
 }  // namespace
 
 Model::Model(ModelConfig config, ModelWeights weights, std::shared_ptr<const Tokenizer> tokenizer,
@@ -106,7 +58,7 @@ Model Model::load(const std::string& dir, Device device) {
     tokenizer = std::make_shared<const Vocabulary>(Vocabulary::load(tokenizer_file));
   } else {
     tokenizer_file = (fs::path(dir) / "tokenizer.json").string();
-    tokenizer = std::make_shared<const TokenizerJsonIds>(TokenizerJsonIds::load(tokenizer_file));
+    tokenizer = load_tokenizer(dir);
   }
   // HF pads the embedding matrix beyond the tokenizer's ids at times; never the other way round.
   if (tokenizer->size() > config.vocab_size ||
@@ -117,7 +69,9 @@ Model Model::load(const std::string& dir, Device device) {
   }
   SafetensorsFile file((fs::path(dir) / "model.safetensors").string());
   ModelWeights weights = load_weights(file, config);
-  return Model(std::move(config), std::move(weights), std::move(tokenizer), device);
+  Model model(std::move(config), std::move(weights), std::move(tokenizer), device);
+  model.dir_ = dir;
+  return model;
 }
 
 void Model::check_context(int n) const {
@@ -139,8 +93,13 @@ Prompt Model::build_text_prompt(const std::string& text) const {
 }
 
 Prompt Model::build_chat_prompt(const std::string& user_text) const {
-  (void)user_text;
-  throw RunnerError(ErrorKind::kModel, "chat prompts need the chat template (not in this build yet)");
+  if (config_.has_vision()) {
+    throw RunnerError(ErrorKind::kInput,
+                      "chat prompts are for text models; " + config_.model_name + " is the tiny VLM");
+  }
+  if (dir_.empty()) throw RunnerError(ErrorKind::kModel, "no model directory to read the chat template from");
+  const ChatTemplate chat = ChatTemplate::load(dir_);
+  return build_text_prompt(chat.render({ChatMessage{"user", user_text}}, true));
 }
 
 Prompt Model::build_prompt_from_ids(const std::vector<std::int32_t>& ids) const {

@@ -42,7 +42,8 @@ struct ModelConfig {
   int vocab_size = 0;
   // The tiny VLM has all five; a LLaMA has no image/sep tokens (-1) and may have no bos (-1).
   int bos_token_id = 1, eos_token_id = 2, image_start_token_id = 3, image_end_token_id = 4, sep_token_id = 5;
-  std::vector<int> eos_token_ids;    // every id that ends generation (eos_token_id first); HF allows a list
+  std::vector<int>
+      eos_token_ids;  // every id that ends generation (eos_token_id first; empty: eos_token_id alone)
   bool tie_word_embeddings = false;  // lm_head is embed_tokens (LLaMA only)
   VisionConfig vision;               // tiny VLM only
   std::string model_name;            // the model directory's base name

@@ -87,6 +87,7 @@ class Model {
   std::shared_ptr<const Tokenizer> tokenizer_;
   Device device_;
   std::unique_ptr<DecoderBackend> backend_;
+  std::string dir_;  // the directory load() read (chat template); empty for a constructed model
 
   // Throws kInput when `n` tokens do not fit the context.
   void check_context(int n) const;
