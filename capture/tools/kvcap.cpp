@@ -171,6 +171,9 @@ int cmd_validate(const std::vector<std::string>& args) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Before anything runs: OpenBLAS's fast kernels where it does not recognise the CPU, idle OpenMP
+  // threads that sleep (a model run is thousands of short parallel regions).
+  cli::use_fast_blas_core(argv);
   if (argc < 2) {
     print_usage(std::cerr);
     return kExitError;

@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "kvscope/cli/progress.hpp"
+#include "kvscope/closedloop/evaluate.hpp"
 #include "kvscope/kernels/common.hpp"
 #include "kvscope/runner/error.hpp"
 #include "kvscope/runner/model.hpp"
@@ -126,7 +127,8 @@ std::vector<std::uint64_t> parse_seeds(const std::string& text) {
 po::options_description make_options() {
   po::options_description opts(
       "kvcap run --model DIR (--image PNG [--image PNG2] | --scene SEED[,SEED2]) --question TEXT -o FILE\n"
-      "kvcap run --model DIR (--prompt TEXT | --prompt-file F) [--chat] [--max-new N] -o FILE\n\n"
+      "kvcap run --model DIR (--prompt TEXT | --prompt-file F) [--chat] [--max-new N] -o FILE\n"
+      "kvcap run --model DIR --task NAME [--length N] [--seed S] [--sample I] -o FILE\n\n"
       "Runs a model directory and captures the run into a trace. Two kinds of model:\n"
       "  - a kvscope tiny VLM (config.json KvscopeTinyVlm, model.safetensors, vocab.json): one or two\n"
       "    images (--image or --scene) and a --question in its vocabulary;\n"
@@ -134,7 +136,9 @@ po::options_description make_options() {
       "    SmolLM2-135M-Instruct imported by scripts/setup): a --prompt or --prompt-file, tokenized as is\n"
       "    (no automatic BOS) or, with --chat, as the user message rendered through the model's chat\n"
       "    template (chat_template.jinja or tokenizer_config.json; its default system prompt) with the\n"
-      "    assistant turn opened.\n"
+      "    assistant turn opened; or --task: sample I of a long-context task (docs/tasks.md), exactly the\n"
+      "    prompt kvcap eval --task runs (chat template, answer prefix pre-filled), with its answer "
+      "checked.\n"
       "Generates the answer greedily (prefill, then each generated token fed back until an EOS token,\n"
       "--max-new tokens or the end of the context) and records per layer the prefill Q, K (after RoPE) and "
       "V,\n"
@@ -156,6 +160,14 @@ po::options_description make_options() {
       "prompt", po::value<std::string>(), "text model: the prompt text")(
       "prompt-file", po::value<std::string>(), "text model: read the prompt text from this file (UTF-8)")(
       "chat", po::bool_switch(), "text model: render the prompt as a user message through the chat template")(
+      "task", po::value<std::string>(),
+      "text model: a long-context task prompt (passkey, needle, multikey, vartrack)")(
+      "length", po::value<int>()->default_value(1024),
+      "with --task: tokens of the user message (512 .. 4096)")(
+      "seed", po::value<unsigned long long>()->default_value(0), "with --task: the task generator's seed")(
+      "sample", po::value<int>()->default_value(0), "with --task: the sample index (0 .. 99999)")(
+      "haystack", po::value<std::vector<std::string>>(),
+      "with --task: prose files or directories (repeatable; default /usr/share/common-licenses)")(
       "max-new", po::value<int>(),
       "at most this many generated tokens (1..1024; default 16 for the tiny VLM, 64 for a text model)")(
       "device", po::value<std::string>()->default_value("cpu"),
@@ -223,7 +235,9 @@ int run_command(const std::vector<std::string>& args) {
                  "  kvcap run --model ~/.cache/kvscope/models/smollm2-135m-instruct --chat \\\n"
                  "      --prompt \"What is the capital of France?\" -o paris.h5\n"
                  "  kvcap run --model ~/.cache/kvscope/models/smollm2-135m-instruct \\\n"
-                 "      --prompt-file notes.txt --max-new 32 --dtype float16 -o notes.h5\n";
+                 "      --prompt-file notes.txt --max-new 32 --dtype float16 -o notes.h5\n"
+                 "  kvcap run --model ~/.cache/kvscope/models/smollm2-135m-instruct --task passkey \\\n"
+                 "      --length 512 --sample 3 --max-new 8 --dtype float16 -o passkey-3.h5\n";
     return kExitOk;
   }
   for (const char* required : {"model", "output"}) {
@@ -250,7 +264,8 @@ int run_command(const std::vector<std::string>& args) {
       }
     }
   } else {
-    for (const char* text_only : {"prompt", "prompt-file", "chat"}) {
+    for (const char* text_only :
+         {"prompt", "prompt-file", "chat", "task", "length", "seed", "sample", "haystack"}) {
       if (vm.count(text_only) && !vm[text_only].defaulted()) {
         return fail(std::string("--") + text_only + " is for text models; " + model_dir +
                     " is the tiny VLM (use --image or --scene and --question)");
@@ -281,8 +296,31 @@ int run_command(const std::vector<std::string>& args) {
   }
   const std::string out = vm["output"].as<std::string>();
   std::string question, prompt_text;
+  const bool task = vm.count("task") != 0;
+  if (!task) {
+    for (const char* task_only : {"length", "seed", "sample", "haystack"}) {
+      if (vm.count(task_only) && !vm[task_only].defaulted())
+        return fail(std::string("--") + task_only + " needs --task");
+    }
+  }
+  closedloop::Haystack haystack;
   try {
-    if (text_model) {
+    if (task) {
+      if (vm.count("prompt") || vm.count("prompt-file") || chat)
+        return fail("--task builds the prompt itself: drop --prompt, --prompt-file and --chat");
+      closedloop::check_task_name(vm["task"].as<std::string>());
+      const int length = vm["length"].as<int>(), sample = vm["sample"].as<int>();
+      if (length < closedloop::kMinTaskLength || length > closedloop::kMaxTaskLength) {
+        return fail("--length " + std::to_string(length) + " out of range (" +
+                    std::to_string(closedloop::kMinTaskLength) + " .. " +
+                    std::to_string(closedloop::kMaxTaskLength) + " tokens)");
+      }
+      if (sample < 0 || sample > 99999)
+        return fail("--sample must be in 0..99999, got " + std::to_string(sample));
+      haystack =
+          closedloop::load_haystack(vm.count("haystack") ? vm["haystack"].as<std::vector<std::string>>()
+                                                         : closedloop::default_haystack_paths());
+    } else if (text_model) {
       prompt_text = read_prompt(vm);
     } else {
       question = vm["question"].as<std::string>();
@@ -290,16 +328,28 @@ int run_command(const std::vector<std::string>& args) {
     }
   } catch (const std::invalid_argument& e) {
     return fail(e.what());
+  } catch (const closedloop::TaskError& e) {
+    return fail(e.what());
   }
   kernels::set_cpu_threads(threads);
 
   // Everything that can be checked is checked before the output file is created.
   std::optional<runner::Model> model;
   runner::Prompt prompt;
+  std::optional<closedloop::TaskSample> task_sample;
   try {
     model.emplace(
         runner::Model::load(model_dir, device_name == "cuda" ? runner::Device::kCuda : runner::Device::kCpu));
-    if (text_model) {
+    if (task) {
+      // Samples 0..I are drawn (sample i depends only on task, length, seed and i) and I is run.
+      const runner::ChatTemplate chat_template = runner::ChatTemplate::load(model_dir);
+      const auto samples = closedloop::make_task_samples(
+          vm["task"].as<std::string>(), vm["length"].as<int>(), vm["sample"].as<int>() + 1,
+          vm["seed"].as<unsigned long long>(), haystack, closedloop::token_counter(model->tokenizer()));
+      task_sample = samples.back();
+      prompt = model->build_prompt_from_ids(
+          model->tokenizer().encode(closedloop::task_prompt_text(chat_template, *task_sample)));
+    } else if (text_model) {
       prompt = chat ? model->build_chat_prompt(prompt_text) : model->build_text_prompt(prompt_text);
     } else {
       const auto& vc = model->config().vision;
@@ -317,6 +367,8 @@ int run_command(const std::vector<std::string>& args) {
   } catch (const RunnerError& e) {
     return fail(e.what());
   } catch (const std::invalid_argument& e) {
+    return fail(e.what());
+  } catch (const closedloop::TaskError& e) {
     return fail(e.what());
   }
 
@@ -381,6 +433,13 @@ int run_command(const std::vector<std::string>& args) {
   const double prefill_tps = gen.prefill_ms > 0 ? prompt.size() / gen.prefill_ms * 1e3 : 0;
   const double decode_tps = gen.decode_ms > 0 ? gen.decode_steps / gen.decode_ms * 1e3 : 0;
   std::printf("answer: %s\n", gen.text.c_str());
+  if (task_sample) {
+    std::printf("task: %s sample %d (length %d, seed %llu, depth %.2f): expected \"%s\", %s\n",
+                task_sample->task.c_str(), task_sample->index, task_sample->length,
+                static_cast<unsigned long long>(task_sample->seed), task_sample->depth,
+                task_sample->answer.c_str(),
+                closedloop::answer_matches(gen.text, task_sample->answer) ? "correct" : "wrong");
+  }
   std::printf(
       "prefill: %d tokens in %.2f ms (%.0f tokens/s); decode: %d steps in %.2f ms (%.0f tokens/s); "
       "device %s\n",

@@ -187,9 +187,7 @@ int eval_command(const std::vector<std::string>& args) {
       }
       tokenizer = runner::load_tokenizer(model_dir);
       const runner::ChatTemplate chat = runner::ChatTemplate::load(model_dir);
-      const closedloop::TokenCounter count = [&](const std::string& t) {
-        return t.empty() ? 0 : static_cast<int>(tokenizer->encode(t).size());
-      };
+      const closedloop::TokenCounter count = closedloop::token_counter(*tokenizer);
       const std::vector<closedloop::TaskSample> task_samples =
           closedloop::make_task_samples(vm["task"].as<std::string>(), length, n, seed, haystack, count);
       for (const auto& ts : task_samples) {

@@ -206,11 +206,20 @@ std::vector<Reference> make_references(runner::Model& model, const std::vector<H
   return refs;
 }
 
+std::string task_prompt_text(const runner::ChatTemplate& chat, const TaskSample& sample) {
+  return chat.render({{"user", sample.user}}, true) + sample.answer_prefix;
+}
+
+TokenCounter token_counter(const runner::Tokenizer& tokenizer) {
+  return [&tokenizer](const std::string& t) {
+    return t.empty() ? 0 : static_cast<int>(tokenizer.encode(t).size());
+  };
+}
+
 Reference make_task_reference(runner::Model& model, const runner::Tokenizer& tokenizer,
                               const runner::ChatTemplate& chat, const TaskSample& sample) {
   Reference r;
-  const std::string text = chat.render({{"user", sample.user}}, true) + sample.answer_prefix;
-  r.prompt = model.build_prompt_from_ids(tokenizer.encode(text));
+  r.prompt = model.build_prompt_from_ids(tokenizer.encode(task_prompt_text(chat, sample)));
   r.answer_ids = tokenizer.encode(" " + sample.answer);
   r.answer_ids.push_back(model.config().eos_token_id);
   r.answer_text = sample.answer;

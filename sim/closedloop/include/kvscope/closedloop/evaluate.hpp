@@ -112,6 +112,12 @@ struct Reference {
 std::vector<Reference> make_references(runner::Model& model, const std::vector<HeldoutSample>& samples,
                                        int max_new);
 
+// The text a task sample is run on: the user message rendered with `chat` (its default system prompt, the
+// assistant turn opened), then the answer prefix. kvcap eval --task and kvcap run --task encode it whole.
+std::string task_prompt_text(const runner::ChatTemplate& chat, const TaskSample& sample);
+// Token counts of the user message for make_task_samples, with the model's tokenizer.
+TokenCounter token_counter(const runner::Tokenizer& tokenizer);
+
 // A text task's sample (docs/tasks.md) as a reference of the text model: the user message rendered with
 // `chat` (its default system prompt, the assistant turn opened), then the answer prefix, encoded by
 // `tokenizer`; family "text-only"; answer_ids = the encoded " " + answer + EOS (for inspection).
