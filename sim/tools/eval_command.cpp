@@ -57,9 +57,9 @@ po::options_description make_options() {
       "Each sample's uncompressed prefill runs once and every point continues from a copy of it.\n\nOptions");
   opts.add_options()("help,h", "show this help")(
       "model", po::value<std::string>(),
-      "model directory (config.json, model.safetensors, vocab.json, "
-      "heldout.json)")("policies", po::value<std::string>(),
-                       "comma-separated kvsim policy names (presets, compositions a+b)")(
+      "model directory: the tiny VLM (config.json, model.safetensors, vocab.json, heldout.json) or, with "
+      "--task, a text LLaMA (config.json, model.safetensors, tokenizer.json, chat template)")(
+      "policies", po::value<std::string>(), "comma-separated kvsim policy names (presets, compositions a+b)")(
       "budgets", po::value<std::string>()->default_value("0.5"),
       "kvsim budget list: fractions, ranges a:b:step, NNtok, byte sizes (e.g. 0.1:0.5:0.1,64KiB)")(
       "samples", po::value<int>()->default_value(200), "held-out samples per point")(
