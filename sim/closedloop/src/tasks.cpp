@@ -98,7 +98,7 @@ Instance draw_instance(const std::string& task, Rng& rng) {
     in.answer = five_digits(rng);
     in.intro = "There is a pass key hidden in the text below. Find it and remember it.";
     in.facts.push_back({"The pass key is " + in.answer + ".", rng.unit()});
-    in.question = "What is the pass key?";
+    in.question = "What is the pass key? It is a five-digit number.";
     in.prefix = "The pass key is";
   } else if (task == "needle") {
     const std::string name = std::string(rng.pick(kFirstNames)) + " " + rng.pick(kLastNames);
