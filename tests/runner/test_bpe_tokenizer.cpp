@@ -11,6 +11,7 @@
 #include "kvscope/runner/bpe_tokenizer.hpp"
 #include "kvscope/runner/error.hpp"
 #include "runner_test_util.hpp"
+#include "scratch.hpp"
 
 namespace kvscope::runner {
 namespace {
@@ -18,14 +19,10 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
+// This test's folder in the process's scratch directory (removed when the process exits).
 struct TempDir {
-  fs::path path;
-  TempDir() {
-    path = fs::temp_directory_path() / ("kvscope_bpe_" + std::to_string(::getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
+  fs::path path =
+      kvscope::testing::scratch_dir(::testing::UnitTest::GetInstance()->current_test_info()->name());
 };
 
 // GPT-2's byte -> character map, spelled in UTF-8.

@@ -8,20 +8,17 @@
 #include "kvscope/runner/chat_template.hpp"
 #include "kvscope/runner/error.hpp"
 #include "runner_test_util.hpp"
+#include "scratch.hpp"
 
 namespace kvscope::runner {
 namespace {
 
 namespace fs = std::filesystem;
 
+// This test's folder in the process's scratch directory (removed when the process exits).
 struct TempDir {
-  fs::path path;
-  TempDir() {
-    path = fs::temp_directory_path() / ("kvscope_chat_" + std::to_string(::getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
+  fs::path path =
+      kvscope::testing::scratch_dir(::testing::UnitTest::GetInstance()->current_test_info()->name());
 };
 
 // SmolLM2-135M-Instruct's chat_template.jinja
