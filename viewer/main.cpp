@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "kvscope/cli/options.hpp"
 #include "kvscope/trace/untrusted.hpp"
 #include "model.hpp"
 #include "screenshot.hpp"
@@ -81,16 +82,9 @@ Options parse(int argc, char** argv) {
   po::positional_options_description pos;
   pos.add("trace", 1);
   po::variables_map vm;
-  try {
-    po::store(po::command_line_parser(argc, argv).options(desc).positional(pos).run(), vm);
-    po::notify(vm);
-  } catch (const po::error& e) {
-    usage_error(e.what());
-  }
-  if (vm.count("help")) {
-    std::cout << desc << "\nViews: " << names << "\n";
-    std::exit(0);
-  }
+  const std::vector<std::string> args(argv + 1, argv + argc);
+  const std::string epilog = "\nViews: " + names + "\n";
+  if (const auto exit = kvscope::cli::parse_options("kvview", args, desc, vm, epilog, &pos)) std::exit(*exit);
   if (vm.count("trusted-files")) kvscope::trace::set_trusted_files(true);
   const auto views = kvscope::viewer::View::view_names();
   if (std::find(views.begin(), views.end(), o.view) == views.end()) {

@@ -32,7 +32,9 @@ for cmd in "$kvcap frobnicate" "$kvcap synth --preset tiny --bogus 1 -o $dir/x.h
            "$kvsim sweep -t $dir/good.h5 -q --threads -1" \
            "$kvsim sweep -t $dir/good.h5 -q --policies h2o --budgets 0.1:0.9:1e-7" \
            "$kvsim sweep -t $dir/good.h5 -q --policies h2o,snapkv --budgets 0.0001:1:0.0001" \
-           "$kvcap run --model $dir --scene 1 --question q -o $dir/x.h5 --threads 65536"; do
+           "$kvcap run --model $dir --scene 1 --question q -o $dir/x.h5 --threads 65536" \
+           "$kvsim sweep -t $dir/good.h5 -q stray" "$kvcap synth --preset tiny -o $dir/x.h5 stray" \
+           "$kvcap validate $dir/good.h5 stray"; do
   err=$($cmd 2>&1 >/dev/null); rc=$?
   if [[ $rc -ne 2 || $(printf '%s\n' "$err" | grep -c .) -ne 1 ]]; then echo "FAIL '$cmd': exit $rc: $err"; fail=1
   else echo "ok   '$cmd': $err"; fi
@@ -42,5 +44,8 @@ err=$("$kvsim" sweep -t "$dir/good.h5" -q --policies h2o --budgets 0.1:0.9:1e-7 
 [[ $err == *"asks for 8000001 budgets; at most 10000"* ]] || { echo "FAIL budget cap message: $err"; fail=1; }
 err=$("$kvsim" sweep -t "$dir/good.h5" -q --threads 65536 2>&1 >/dev/null)
 [[ $err == *"--threads 65536 is more than the maximum of"* ]] || { echo "FAIL threads cap message: $err"; fail=1; }
+# A bare argument that no positional option takes is an error, not silently dropped.
+err=$("$kvsim" sweep -t "$dir/good.h5" -q stray 2>&1 >/dev/null)
+[[ $err == *"too many positional options"* ]] || { echo "FAIL stray argument message: $err"; fail=1; }
 [[ ! -e $dir/x.h5 && ! -e $dir/x.h5.partial ]] || { echo "FAIL rejected synth left a file behind"; fail=1; }
 exit $fail

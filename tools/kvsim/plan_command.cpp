@@ -9,6 +9,7 @@
 #include <optional>
 #include <sstream>
 
+#include "kvscope/cli/options.hpp"
 #include "kvscope/sim/planner.hpp"
 #include "kvscope/sim/policy.hpp"
 #include "kvscope/sim/sweep.hpp"
@@ -22,8 +23,8 @@ namespace kvscope::tools {
 
 namespace {
 
-constexpr int kExitOk = 0;
-constexpr int kExitError = 2;
+using cli::kExitError;
+using cli::kExitOk;
 constexpr std::int64_t kDefaultText = 64;
 constexpr std::int64_t kDefaultMaxNew = 256;
 
@@ -230,17 +231,7 @@ bool write_file(const std::string& path, const std::string& text, const char* op
 int run_plan_command(const std::vector<std::string>& args) {
   const po::options_description opts = plan_options();
   po::variables_map vm;
-  try {
-    po::store(po::command_line_parser(args).options(opts).run(), vm);
-    if (vm.count("help")) {
-      std::cout << opts;
-      return kExitOk;
-    }
-    po::notify(vm);
-  } catch (const po::error& e) {
-    std::cerr << "kvsim plan: " << e.what() << " (see kvsim plan --help)\n";
-    return kExitError;
-  }
+  if (const auto exit = cli::parse_options("kvsim plan", args, opts, vm)) return *exit;
   sim::PlanResult result;
   try {
     std::vector<std::string> notes;  // what the trace implied (shape source, uneven images)

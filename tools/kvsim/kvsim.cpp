@@ -4,6 +4,7 @@
 #include <iostream>
 #include <string>
 
+#include "kvscope/cli/options.hpp"
 #include "kvscope/cli/progress.hpp"
 #include "kvscope/sim/info.hpp"
 #include "plan_command.hpp"
@@ -16,8 +17,8 @@ using namespace kvscope;
 
 namespace {
 
-constexpr int kExitOk = 0;
-constexpr int kExitError = 2;
+using kvscope::cli::kExitError;
+using kvscope::cli::kExitOk;
 
 void print_usage(std::ostream& os) {
   os << "kvsim - replay kvscope traces through KV-cache compression policies\n\n"
@@ -44,21 +45,8 @@ int cmd_info(const std::vector<std::string>& args) {
   po::positional_options_description pos;
   pos.add("file", 1);
   po::variables_map vm;
-  try {
-    po::store(po::command_line_parser(args).options(opts).positional(pos).run(), vm);
-    if (vm.count("help")) {
-      std::cout << opts;
-      return kExitOk;
-    }
-    po::notify(vm);
-  } catch (const po::error& e) {
-    std::cerr << "kvsim info: " << e.what() << " (see kvsim info --help)\n";
-    return kExitError;
-  }
-  if (!vm.count("file")) {
-    std::cerr << "kvsim info: missing FILE (see kvsim info --help)\n";
-    return kExitError;
-  }
+  if (const auto exit = cli::parse_options("kvsim info", args, opts, vm, "", &pos)) return *exit;
+  if (!vm.count("file")) return cli::missing("kvsim info", "FILE");
   if (vm.count("trusted-files")) trace::set_trusted_files(true);
   try {
     trace::check_trace_file(vm["file"].as<std::string>());

@@ -10,19 +10,17 @@
 #include <filesystem>
 #include <iostream>
 
+#include "kvscope/cli/options.hpp"
+
 namespace kvscope::cli {
 namespace {
 
 namespace po = boost::program_options;
 namespace fs = std::filesystem;
 
-constexpr int kExitOk = 0;
-constexpr int kExitError = 2;
+constexpr const char* kProgram = "kvcap import-gguf";
 
-int fail(const std::string& msg) {
-  std::cerr << "kvcap import-gguf: " << msg << "\n";
-  return kExitError;
-}
+int fail(const std::string& msg) { return cli::fail(kProgram, msg); }
 
 std::string env_or(const char* name, const std::string& fallback) {
   const char* v = std::getenv(name);
@@ -65,21 +63,13 @@ int import_gguf_command(const std::vector<std::string>& args) {
   po::positional_options_description pos;
   pos.add("input", 1);
   po::variables_map vm;
-  try {
-    po::store(po::command_line_parser(args).options(opts).positional(pos).run(), vm);
-    po::notify(vm);
-  } catch (const po::error& e) {
-    return fail(std::string(e.what()) + " (see kvcap import-gguf --help)");
-  }
-  if (vm.count("help")) {
-    std::cout << opts
-              << "\nExample:\n"
-                 "  kvcap import-gguf SmolLM2-135M-Instruct.Q4_1.gguf -o ~/.cache/kvscope/models/smollm2\n"
-                 "  kvcap run --model ~/.cache/kvscope/models/smollm2 --chat --prompt \"Hello\" -o t.h5\n";
-    return kExitOk;
-  }
-  if (!vm.count("input")) return fail("missing the .gguf file (see kvcap import-gguf --help)");
-  if (!vm.count("output")) return fail("missing -o DIR (see kvcap import-gguf --help)");
+  const std::string examples =
+      "\nExample:\n"
+      "  kvcap import-gguf SmolLM2-135M-Instruct.Q4_1.gguf -o ~/.cache/kvscope/models/smollm2\n"
+      "  kvcap run --model ~/.cache/kvscope/models/smollm2 --chat --prompt \"Hello\" -o t.h5\n";
+  if (const auto exit = parse_options(kProgram, args, opts, vm, examples, &pos)) return *exit;
+  if (!vm.count("input")) return missing(kProgram, "the .gguf file");
+  if (!vm.count("output")) return missing(kProgram, "-o DIR");
   const std::string in = vm["input"].as<std::string>(), out = vm["output"].as<std::string>();
   std::error_code ec;
   if (!fs::exists(in, ec)) return fail(in + ": no such file");

@@ -11,6 +11,7 @@
 #include <optional>
 #include <sstream>
 
+#include "kvscope/cli/options.hpp"
 #include "kvscope/cli/progress.hpp"
 #include "kvscope/closedloop/evaluate.hpp"
 #include "kvscope/kernels/common.hpp"
@@ -24,13 +25,21 @@ namespace {
 namespace po = boost::program_options;
 using runner::RunnerError;
 
-constexpr int kExitOk = 0;
-constexpr int kExitError = 2;
+constexpr const char* kExamples =
+    "\nExamples:\n"
+    "  kvcap run --model traces/models/tiny-shapes --scene 7 --question \"how many shapes ?\" "
+    "-o t.h5\n"
+    "  kvcap run --model traces/models/tiny-shapes --scene 3,8 \\\n"
+    "      --question \"which image has more shapes ?\" --max-new 8 -o two.h5\n"
+    "  kvcap run --model DIR --image a.png --question \"what color is the circle ?\" -o a.h5\n"
+    "  kvcap run --model ~/.cache/kvscope/models/smollm2-135m-instruct --chat \\\n"
+    "      --prompt \"What is the capital of France?\" -o paris.h5\n"
+    "  kvcap run --model ~/.cache/kvscope/models/smollm2-135m-instruct \\\n"
+    "      --prompt-file notes.txt --max-new 32 --dtype float16 -o notes.h5\n"
+    "  kvcap run --model ~/.cache/kvscope/models/smollm2-135m-instruct --task passkey \\\n"
+    "      --length 512 --sample 3 --max-new 8 --dtype float16 -o passkey-3.h5\n";
 
-int fail(const std::string& msg) {
-  std::cerr << "kvcap run: " << msg << "\n";
-  return kExitError;
-}
+int fail(const std::string& msg) { return cli::fail("kvcap run", msg); }
 
 // A failed capture call: the C API's one-line message.
 class CaptureFailure : public std::runtime_error {
@@ -218,30 +227,9 @@ std::string read_prompt(const po::variables_map& vm) {
 int run_command(const std::vector<std::string>& args) {
   const po::options_description opts = make_options();
   po::variables_map vm;
-  try {
-    po::store(po::command_line_parser(args).options(opts).run(), vm);
-    po::notify(vm);
-  } catch (const po::error& e) {
-    return fail(std::string(e.what()) + " (see kvcap run --help)");
-  }
-  if (vm.count("help")) {
-    std::cout << opts
-              << "\nExamples:\n"
-                 "  kvcap run --model traces/models/tiny-shapes --scene 7 --question \"how many shapes ?\" "
-                 "-o t.h5\n"
-                 "  kvcap run --model traces/models/tiny-shapes --scene 3,8 \\\n"
-                 "      --question \"which image has more shapes ?\" --max-new 8 -o two.h5\n"
-                 "  kvcap run --model DIR --image a.png --question \"what color is the circle ?\" -o a.h5\n"
-                 "  kvcap run --model ~/.cache/kvscope/models/smollm2-135m-instruct --chat \\\n"
-                 "      --prompt \"What is the capital of France?\" -o paris.h5\n"
-                 "  kvcap run --model ~/.cache/kvscope/models/smollm2-135m-instruct \\\n"
-                 "      --prompt-file notes.txt --max-new 32 --dtype float16 -o notes.h5\n"
-                 "  kvcap run --model ~/.cache/kvscope/models/smollm2-135m-instruct --task passkey \\\n"
-                 "      --length 512 --sample 3 --max-new 8 --dtype float16 -o passkey-3.h5\n";
-    return kExitOk;
-  }
+  if (const auto exit = parse_options("kvcap run", args, opts, vm, kExamples)) return *exit;
   for (const char* required : {"model", "output"}) {
-    if (!vm.count(required)) return fail(std::string("missing --") + required + " (see kvcap run --help)");
+    if (!vm.count(required)) return missing("kvcap run", std::string("--") + required);
   }
   const std::string model_dir = vm["model"].as<std::string>();
   // The model's kind decides which prompt options apply; config.json is read first (cheap) so that a

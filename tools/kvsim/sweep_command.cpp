@@ -7,6 +7,7 @@
 #include <memory>
 #include <sstream>
 
+#include "kvscope/cli/options.hpp"
 #include "kvscope/cli/progress.hpp"
 #include "kvscope/kernels/common.hpp"
 #include "kvscope/kernels/device.hpp"
@@ -109,21 +110,8 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
       "trusted-files", trace::kTrustedFilesHelp);
   po::variables_map vm;
   const std::string name = "kvsim " + command;
-  try {
-    po::store(po::command_line_parser(args).options(opts).run(), vm);
-    if (vm.count("help")) {
-      std::cout << opts << "\n" << policy_help(registry);
-      return 0;
-    }
-    po::notify(vm);
-  } catch (const po::error& e) {
-    std::cerr << name << ": " << e.what() << " (see " << name << " --help)\n";
-    return 2;
-  }
-  if (!vm.count("trace")) {
-    std::cerr << name << ": missing --trace FILE (see " << name << " --help)\n";
-    return 2;
-  }
+  if (const auto exit = cli::parse_options(name, args, opts, vm, "\n" + policy_help(registry))) return *exit;
+  if (!vm.count("trace")) return cli::missing(name, "--trace FILE");
   if (!sweep && !vm.count("policy")) {
     std::cerr << name << ": missing --policy NAME[@BUDGET] (see " << name << " --help)\n";
     return 2;

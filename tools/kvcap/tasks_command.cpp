@@ -5,7 +5,8 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
-#include "kvscope/closedloop/eval_command.hpp"
+#include "eval_command.hpp"
+#include "kvscope/cli/options.hpp"
 #include "kvscope/closedloop/tasks.hpp"
 #include "kvscope/runner/error.hpp"
 #include "kvscope/runner/tokenizer.hpp"
@@ -16,10 +17,7 @@ namespace kvscope::cli {
 
 namespace {
 
-int tasks_fail(const std::string& msg) {
-  std::cerr << "kvcap tasks: " << msg << "\n";
-  return 2;
-}
+int tasks_fail(const std::string& msg) { return fail("kvcap tasks", msg); }
 
 }  // namespace
 
@@ -43,17 +41,9 @@ int tasks_command(const std::vector<std::string>& args) {
       "model", po::value<std::string>(), "model folder whose tokenizer counts the tokens")(
       "output,o", po::value<std::string>(), "JSON-lines file (default: stdout)");
   po::variables_map vm;
-  try {
-    po::store(po::command_line_parser(args).options(opts).run(), vm);
-    po::notify(vm);
-  } catch (const po::error& e) {
-    return tasks_fail(std::string(e.what()) + " (see kvcap tasks --help)");
-  }
-  if (vm.count("help")) {
-    std::cout << opts
-              << "\nExample:\n  kvcap tasks --task passkey --length 1024 --samples 100 -o passkey.jsonl\n";
-    return 0;
-  }
+  const std::string examples =
+      "\nExample:\n  kvcap tasks --task passkey --length 1024 --samples 100 -o passkey.jsonl\n";
+  if (const auto exit = parse_options("kvcap tasks", args, opts, vm, examples)) return *exit;
   if (!vm.count("task")) return tasks_fail("missing --task (valid: " + closedloop::task_names_list() + ")");
   std::vector<closedloop::TaskSample> samples;
   try {

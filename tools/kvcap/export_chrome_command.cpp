@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <utility>
 
+#include "kvscope/cli/options.hpp"
 #include "kvscope/trace/reader.hpp"
 #include "kvscope/trace/untrusted.hpp"
 
@@ -156,23 +157,13 @@ int export_chrome_command(const std::vector<std::string>& args) {
   po::positional_options_description pos;
   pos.add("file", 1);
   po::variables_map vm;
-  auto fail = [](const std::string& msg) {
-    std::cerr << "kvcap export-chrome: " << msg << "\n";
-    return 2;
-  };
-  try {
-    po::store(po::command_line_parser(args).options(opts).positional(pos).run(), vm);
-    po::notify(vm);
-  } catch (const po::error& e) {
-    return fail(std::string(e.what()) + " (see kvcap export-chrome --help)");
-  }
-  if (vm.count("help")) {
-    std::cout << opts << "\nExample:\n  kvcap export-chrome capture.h5 -o capture.json\n";
-    return 0;
-  }
+  const std::string program = "kvcap export-chrome";
+  auto fail = [&](const std::string& msg) { return cli::fail(program, msg); };
+  const std::string examples = "\nExample:\n  kvcap export-chrome capture.h5 -o capture.json\n";
+  if (const auto exit = cli::parse_options(program, args, opts, vm, examples, &pos)) return *exit;
   if (vm.count("trusted-files")) trace::set_trusted_files(true);
-  if (!vm.count("file")) return fail("missing FILE (see kvcap export-chrome --help)");
-  if (!vm.count("output")) return fail("missing -o/--output FILE (see kvcap export-chrome --help)");
+  if (!vm.count("file")) return cli::missing(program, "FILE");
+  if (!vm.count("output")) return cli::missing(program, "-o/--output FILE");
   const std::string out = vm["output"].as<std::string>();
   if (out.empty()) return fail("-o/--output is empty");
   try {

@@ -8,7 +8,8 @@
 
 #include "export_chrome_command.hpp"
 #include "import_gguf_command.hpp"
-#include "kvscope/closedloop/eval_command.hpp"
+#include "eval_command.hpp"
+#include "kvscope/cli/options.hpp"
 #include "kvscope/cli/progress.hpp"
 #include "kvscope/synth/synth.hpp"
 #include "kvscope/trace/untrusted.hpp"
@@ -20,8 +21,8 @@ using namespace kvscope;
 
 namespace {
 
-constexpr int kExitOk = 0;
-constexpr int kExitError = 2;
+using cli::kExitError;
+using cli::kExitOk;
 
 void print_usage(std::ostream& os) {
   os << "kvcap - capture and check kvscope traces (trace format v1)\n\n"
@@ -43,10 +44,7 @@ void print_usage(std::ostream& os) {
         "KVSCOPE_TRUSTED_FILES=1 skips that pre-check (docs/robustness.md).\n";
 }
 
-int fail(const std::string& cmd, const std::string& msg) {
-  std::cerr << "kvcap " << cmd << ": " << msg << "\n";
-  return kExitError;
-}
+int fail(const std::string& cmd, const std::string& msg) { return cli::fail("kvcap " + cmd, msg); }
 
 trace::DType parse_dtype(const std::string& s) {
   if (s == "float16" || s == "fp16") return trace::DType::kF16;
@@ -78,16 +76,9 @@ int cmd_synth(const std::vector<std::string>& args) {
       "output,o", po::value<std::string>()->required(), "output trace file (.h5)")(
       "quiet,q", "no progress bar");
   po::variables_map vm;
-  try {
-    po::store(po::command_line_parser(args).options(opts).run(), vm);
-    if (vm.count("help")) {
-      std::cout << opts << "\nExample:\n  kvcap synth --preset llava-1.5-7b --images 1 --text 64 --decode 16 -o t.h5\n";
-      return kExitOk;
-    }
-    po::notify(vm);
-  } catch (const po::error& e) {
-    return fail("synth", std::string(e.what()) + " (see kvcap synth --help)");
-  }
+  const std::string examples =
+      "\nExample:\n  kvcap synth --preset llava-1.5-7b --images 1 --text 64 --decode 16 -o t.h5\n";
+  if (const auto exit = cli::parse_options("kvcap synth", args, opts, vm, examples)) return *exit;
   try {
     synth::SynthOptions o;
     o.preset = vm["preset"].as<std::string>();
@@ -137,17 +128,8 @@ int cmd_validate(const std::vector<std::string>& args) {
   po::positional_options_description pos;
   pos.add("file", 1);
   po::variables_map vm;
-  try {
-    po::store(po::command_line_parser(args).options(opts).positional(pos).run(), vm);
-    if (vm.count("help")) {
-      std::cout << opts;
-      return kExitOk;
-    }
-    po::notify(vm);
-  } catch (const po::error& e) {
-    return fail("validate", std::string(e.what()) + " (see kvcap validate --help)");
-  }
-  if (!vm.count("file")) return fail("validate", "missing FILE (see kvcap validate --help)");
+  if (const auto exit = cli::parse_options("kvcap validate", args, opts, vm, "", &pos)) return *exit;
+  if (!vm.count("file")) return cli::missing("kvcap validate", "FILE");
   if (vm.count("trusted-files")) trace::set_trusted_files(true);
   const std::string file = vm["file"].as<std::string>();
   cli::ProgressBar bar("kvcap validate", 1, !vm.count("quiet"));

@@ -1,7 +1,7 @@
 // kvcap eval: runs held-out samples of the tiny VLM with each policy x budget applied to the runner's real
 // KV cache (closed loop, kvscope::closedloop) and reports accuracy, KL against the uncompressed run and
 // bytes.
-#include "kvscope/closedloop/eval_command.hpp"
+#include "eval_command.hpp"
 
 #include <algorithm>
 #include <boost/program_options.hpp>
@@ -10,6 +10,7 @@
 #include <numeric>
 #include <set>
 
+#include "kvscope/cli/options.hpp"
 #include "kvscope/cli/progress.hpp"
 #include "kvscope/closedloop/evaluate.hpp"
 #include "kvscope/closedloop/report.hpp"
@@ -24,10 +25,7 @@ namespace kvscope::cli {
 
 namespace {
 
-int fail(const std::string& msg) {
-  std::cerr << "kvcap eval: " << msg << "\n";
-  return 2;
-}
+int fail(const std::string& msg) { return cli::fail("kvcap eval", msg); }
 
 std::vector<std::string> split_commas(const std::string& text) {
   std::vector<std::string> out;
@@ -94,22 +92,15 @@ po::options_description make_options() {
 int eval_command(const std::vector<std::string>& args) {
   const po::options_description opts = make_options();
   po::variables_map vm;
-  try {
-    po::store(po::command_line_parser(args).options(opts).run(), vm);
-    po::notify(vm);
-  } catch (const po::error& e) {
-    return fail(std::string(e.what()) + " (see kvcap eval --help)");
-  }
-  if (vm.count("help")) {
-    std::cout << opts << "\nExample:\n"
-              << "  kvcap eval --model traces/models/tiny-shapes --policies h2o,snapkv,int8 \\\n"
-                 "      --budgets 0.1,0.3,0.5 --samples 200 -o closed.h5 --csv closed.csv\n"
-                 "  kvcap eval --model ~/.cache/kvscope/models/smollm2-135m-instruct --task passkey \\\n"
-                 "      --length 512 --samples 20 --policies snapkv,streamingllm --budgets 0.05,0.2\n";
-    return 0;
-  }
+  const std::string examples =
+      "\nExample:\n"
+      "  kvcap eval --model traces/models/tiny-shapes --policies h2o,snapkv,int8 \\\n"
+      "      --budgets 0.1,0.3,0.5 --samples 200 -o closed.h5 --csv closed.csv\n"
+      "  kvcap eval --model ~/.cache/kvscope/models/smollm2-135m-instruct --task passkey \\\n"
+      "      --length 512 --samples 20 --policies snapkv,streamingllm --budgets 0.05,0.2\n";
+  if (const auto exit = parse_options("kvcap eval", args, opts, vm, examples)) return *exit;
   for (const char* required : {"model", "policies"})
-    if (!vm.count(required)) return fail(std::string("missing --") + required + " (see kvcap eval --help)");
+    if (!vm.count(required)) return missing("kvcap eval", std::string("--") + required);
   const std::string model_dir = vm["model"].as<std::string>();
   const int n = vm["samples"].as<int>(), max_new = vm["max-new"].as<int>(), threads = vm["threads"].as<int>();
   const unsigned long long seed = vm["seed"].as<unsigned long long>();
