@@ -9,6 +9,7 @@
 #include "exec_util.hpp"
 #include "evaluation.hpp"
 #include "kvscope/sim/engine.hpp"
+#include "stages/stage.hpp"
 
 namespace kvscope::sim {
 
@@ -19,7 +20,7 @@ using detail::check;
 struct HeadState {
   std::vector<std::int32_t> tokens;  // resident token ids, ascending (context t < T, decode T + j)
   std::vector<float> k, v;           // [tokens, D] float32, as captured
-  std::vector<float> acc;            // [T + S] accumulated attention by token id (H2O)
+  std::unique_ptr<stages::DecodeScoring> scoring;  // the scorer's state for this head
   std::vector<std::int64_t> before, after;  // [S] resident bytes per step
   std::vector<std::int32_t> evicted, slots;  // [S] tokens evicted, slots after the step
   std::string error;
@@ -52,6 +53,7 @@ LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep,
   const int layer = L.layer();
   const std::size_t N = static_cast<std::size_t>(T) + static_cast<std::size_t>(S);
   if (S <= 0) throw std::runtime_error("no evaluation queries");
+  const stages::LayerView view(p, L, ctx);
   L.prepare_steps();
   const auto& kall = L.k_all();
   const auto& vall = L.v_all();
@@ -76,15 +78,16 @@ LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep,
   const bool unlimited = cap_keep >= 1.0;
   int cap = T;
   if (!unlimited) {
-    double frac = cap_keep;
-    if (p.allocator == AllocatorKind::kPyramid && g.num_layers > 1) {
-      frac = cap_keep * (1.0 + p.pyramid_spread * (1.0 - 2.0 * layer / (g.num_layers - 1)));
-    }
+    const double frac = stages::allocator_of(p).layer_fraction(view, cap_keep);
     cap = std::clamp(static_cast<int>(std::lround(std::clamp(frac, 0.0, 1.0) * T)), 1, T);
   }
   const int recent = std::max(p.recent, static_cast<int>(std::lround(p.recent_fraction * cap)));
-  const std::vector<float>* prefill_h2o = p.scorer == ScorerKind::kH2O ? &L.h2o() : nullptr;
-  const std::vector<float>* knorm = p.scorer == ScorerKind::kKeyNorm ? &L.key_norm_all() : nullptr;
+  // The scorer's per-head state, made here (it may read lazily computed layer statistics).
+  const stages::Scorer& scorer = stages::scorer_of(p);
+  for (int h = 0; h < H; ++h) {
+    st[static_cast<std::size_t>(h)].scoring = scorer.decode_scoring(view, h);
+    if (!st[static_cast<std::size_t>(h)].scoring) throw std::logic_error("scorer '" + p.stages.scorer + "' has no decode mode");
+  }
 
   LayerResult res;
   res.layer = layer;
@@ -104,10 +107,8 @@ LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep,
       hs.k.insert(hs.k.end(), kh + static_cast<std::size_t>(t) * D, kh + static_cast<std::size_t>(t + 1) * D);
       hs.v.insert(hs.v.end(), vh + static_cast<std::size_t>(t) * D, vh + static_cast<std::size_t>(t + 1) * D);
     }
-    hs.acc.assign(N, 0.0f);
-    if (prefill_h2o) std::copy_n(prefill_h2o->begin() + static_cast<std::ptrdiff_t>(h) * T, T, hs.acc.begin());
     try {
-      std::vector<float> qk, qv, stat, scores;
+      std::vector<float> qk, qv, scores;
       std::vector<std::int32_t> t2s, idx;
       std::vector<std::uint8_t> smod;
       for (int s = 0; s < S; ++s) {
@@ -148,65 +149,14 @@ LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep,
         a.head_dim = D;
         a.dtype = kernels::DType::kF32;
         a.causal = false;
-        auto sum_groups = [&](std::vector<float>& out) {
-          out.assign(static_cast<std::size_t>(K), 0.0f);
-          for (int j = 0; j < G; ++j)
-            for (int i = 0; i < K; ++i) out[static_cast<std::size_t>(i)] += stat[static_cast<std::size_t>(j) * K + i];
-        };
-        stat.resize(static_cast<std::size_t>(G) * K);
-        if (p.scorer == ScorerKind::kH2O) {
-          check(ctx.backend->accumulated_attention(a, kernels::QueryRange{0, -1}, stat.data()), "H2O attention");
-          sum_groups(scores);
-          for (int i = 0; i < K; ++i) hs.acc[static_cast<std::size_t>(hs.tokens[static_cast<std::size_t>(i)])] += scores[static_cast<std::size_t>(i)];
-        }
+        const stages::DecodeStepView step{s, h, hs.tokens, a, qs, *ctx.backend};
+        hs.scoring->observe(step);
         if (s % p.interval != 0 || unlimited || K <= cap) {
           hs.after[static_cast<std::size_t>(s)] = hs.before[static_cast<std::size_t>(s)];
           hs.slots[static_cast<std::size_t>(s)] = K;
           continue;
         }
-        switch (p.scorer) {
-          case ScorerKind::kH2O:
-            scores.resize(static_cast<std::size_t>(K));
-            for (int i = 0; i < K; ++i) scores[static_cast<std::size_t>(i)] = hs.acc[static_cast<std::size_t>(hs.tokens[static_cast<std::size_t>(i)])];
-            break;
-          case ScorerKind::kTOVA:
-            check(ctx.backend->tova_scores(a, stat.data()), "TOVA scores");
-            sum_groups(scores);
-            break;
-          case ScorerKind::kSnapKV: {
-            // Observation window: the last min(W, s + 1) decode queries, on the current keys.
-            const int wlen = std::min(p.snapkv.window, s + 1);
-            std::vector<float> qwin(static_cast<std::size_t>(G) * wlen * D);
-            for (int j = 0; j < G; ++j)
-              for (int i = 0; i < wlen; ++i)
-                std::copy_n(&qs[(static_cast<std::size_t>(s - wlen + 1 + i) * Hq + static_cast<std::size_t>(h) * G + j) * D], D,
-                            &qwin[(static_cast<std::size_t>(j) * wlen + i) * D]);
-            kernels::AttentionProblem aw = a;
-            aw.q = qwin.data();
-            aw.q_len = wlen;
-            kernels::SnapKVParams sp = p.snapkv;
-            sp.window = wlen;
-            check(ctx.backend->snapkv_scores(aw, sp, stat.data()), "SnapKV scores");
-            sum_groups(scores);
-            break;
-          }
-          case ScorerKind::kKeyNorm:
-            scores.resize(static_cast<std::size_t>(K));
-            for (int i = 0; i < K; ++i)
-              scores[static_cast<std::size_t>(i)] = (*knorm)[static_cast<std::size_t>(h) * N + static_cast<std::size_t>(hs.tokens[static_cast<std::size_t>(i)])];
-            break;
-          case ScorerKind::kRandom:
-            scores.resize(static_cast<std::size_t>(K));
-            for (int i = 0; i < K; ++i) {
-              const auto u = static_cast<std::size_t>(i);
-              scores[u] = detail::random_token_score(p.seed, layer, h, hs.tokens[u]);
-            }
-            break;
-          default:  // none, recency: newest first
-            scores.resize(static_cast<std::size_t>(K));
-            for (int i = 0; i < K; ++i) scores[static_cast<std::size_t>(i)] = static_cast<float>(hs.tokens[static_cast<std::size_t>(i)]);
-            break;
-        }
+        hs.scoring->score(step, scores);
         kernels::SelectParams sel;
         sel.num_sinks = static_cast<int>(std::count_if(hs.tokens.begin(), hs.tokens.end(), [&](std::int32_t t) { return t < p.sinks; }));
         sel.recent_window = std::min(recent, K);
