@@ -250,6 +250,13 @@ namespace {
 
 std::string type_text(const ParamDecl& d) {
   std::ostringstream o;
+  for (StageKind k : kStageKinds) {  // a stage selector: the registered names of its kind
+    if (d.name != stage_kind_key(k)) continue;
+    const auto infos = stage_infos(k);
+    for (std::size_t i = 0; i < infos.size(); ++i) o << (i ? ", " : "") << "`" << infos[i]->name << "`";
+    if (k == StageKind::kHeadMerge) o << " (or a boolean)";
+    return o.str();
+  }
   switch (d.type) {
     case ParamType::kInt:
       o << "whole, " << d.lo << " … " << d.hi << (d.odd ? ", odd" : "");
@@ -282,6 +289,16 @@ std::string presets_that_differ(const ParamDecl& d) {
     std::string v;
     if (p.params.has(d.name))
       v = p.params.text(d.name);
+    else if (d.name == "head_merge")
+      v = p.stages.head_merge;
+    else if (d.name == "scorer")
+      v = p.stages.scorer;
+    else if (d.name == "allocator")
+      v = p.stages.allocator;
+    else if (d.name == "executor")
+      v = p.stages.executor;
+    else if (d.name == "quant")
+      v = p.stages.quantizer;
     else if (d.name == "sinks" && p.sinks != 0)
       v = std::to_string(p.sinks);
     else if (d.name == "recent" && p.recent != 0)
@@ -303,12 +320,6 @@ std::string presets_that_differ(const ParamDecl& d) {
     out += (out.empty() ? "" : "; ") + names + ": " + v;
   }
   return out;
-}
-
-std::string stage_names(StageKind k) {
-  std::string s;
-  for (const auto* i : stage_infos(k)) s += (s.empty() ? "" : ", ") + i->name;
-  return s;
 }
 
 }  // namespace
@@ -368,7 +379,6 @@ std::string stage_tables_markdown() {
       }
     }
   }
-  (void)stage_names;
   return o.str();
 }
 
