@@ -201,6 +201,14 @@ const LayerData::MergedHeads& LayerData::merged_heads(float threshold) {
   return merged_.emplace(threshold, std::move(m)).first->second;
 }
 
+const std::vector<float>& LayerData::stage_statistic(const std::string& key, bool reads_prefill,
+                                                    const std::function<std::vector<float>(LayerData&)>& compute) {
+  auto it = stage_stats_.find(key);
+  if (it != stage_stats_.end()) return it->second;
+  if (reads_prefill) require_prefill(key.c_str());
+  return stage_stats_.emplace(key, compute(*this)).first->second;
+}
+
 kernels::AttentionProblem LayerData::problem() const {
   require_prefill("an attention statistic");
   kernels::AttentionProblem a;

@@ -307,6 +307,16 @@ PolicyRegistry::PolicyRegistry() {
     p.source = d.source;
     specs_[p.name] = std::move(p);
   }
+  // Scorers that declare a preset of their own name (StageInfo::preset).
+  for (const StageInfo* i : stage_infos(StageKind::kScorer)) {
+    if (!i->preset || specs_.count(i->name)) continue;
+    PolicySpec p;
+    p.set("scorer", i->name, "preset " + i->name);
+    p.name = i->name;
+    p.description = i->meaning;
+    p.source = i->source;
+    specs_[p.name] = std::move(p);
+  }
 }
 
 std::vector<std::string> PolicyRegistry::names() const {

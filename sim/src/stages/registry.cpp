@@ -12,51 +12,30 @@
 
 namespace kvscope::sim::stages {
 
-std::unique_ptr<Stage> make_head_merge_none();
-std::unique_ptr<Stage> make_head_merge_cosine();
-std::unique_ptr<Stage> make_scorer_none();
-std::unique_ptr<Stage> make_scorer_recency();
-std::unique_ptr<Stage> make_scorer_h2o();
-std::unique_ptr<Stage> make_scorer_snapkv();
-std::unique_ptr<Stage> make_scorer_tova();
-std::unique_ptr<Stage> make_scorer_knorm();
-std::unique_ptr<Stage> make_scorer_random();
-std::unique_ptr<Stage> make_scorer_vision_stride();
-std::unique_ptr<Stage> make_scorer_unicache();
-std::unique_ptr<Stage> make_allocator_uniform();
-std::unique_ptr<Stage> make_allocator_pyramid();
-std::unique_ptr<Stage> make_allocator_hybrid();
-std::unique_ptr<Stage> make_allocator_vision_only();
-std::unique_ptr<Stage> make_allocator_unicache();
-std::unique_ptr<Stage> make_allocator_explicit();
-std::unique_ptr<Stage> make_executor_evict();
-std::unique_ptr<Stage> make_executor_merge_evicted();
-std::unique_ptr<Stage> make_executor_unicache();
-std::unique_ptr<Stage> make_quantizer_none();
-std::unique_ptr<Stage> make_quantizer_int8();
-std::unique_ptr<Stage> make_quantizer_int8_head();
-std::unique_ptr<Stage> make_quantizer_int4();
-std::unique_ptr<Stage> make_quantizer_kivi2();
+// Every built-in stage, in listing order within its kind: X(<kind>_<method>) names the factory
+// make_<kind>_<method>() that the method's file defines. Adding a method = one entry here.
+// clang-format off
+#define KVSCOPE_BUILTIN_STAGES(X)                                                                          \
+  X(head_merge_none) X(head_merge_cosine)                                                                  \
+  X(scorer_none) X(scorer_recency) X(scorer_h2o) X(scorer_snapkv) X(scorer_tova) X(scorer_knorm)           \
+  X(scorer_random) X(scorer_vision_stride) X(scorer_unicache)                                              \
+  X(allocator_uniform) X(allocator_pyramid) X(allocator_hybrid) X(allocator_vision_only)                   \
+  X(allocator_unicache) X(allocator_explicit)                                                              \
+  X(executor_evict) X(executor_merge_evicted) X(executor_unicache)                                         \
+  X(quantizer_none) X(quantizer_int8) X(quantizer_int8_head) X(quantizer_int4) X(quantizer_kivi2)
+// clang-format on
+
+#define KVSCOPE_DECLARE_STAGE(n) std::unique_ptr<Stage> make_##n();
+KVSCOPE_BUILTIN_STAGES(KVSCOPE_DECLARE_STAGE)
+#undef KVSCOPE_DECLARE_STAGE
 
 namespace {
 
 Registry build_registry() {
   Registry r;
-  for (auto* make :
-       {make_head_merge_none, make_head_merge_cosine,
-        // scorers
-        make_scorer_none, make_scorer_recency, make_scorer_h2o, make_scorer_snapkv, make_scorer_tova,
-        make_scorer_knorm, make_scorer_random, make_scorer_vision_stride, make_scorer_unicache,
-        // allocators
-        make_allocator_uniform, make_allocator_pyramid, make_allocator_hybrid, make_allocator_vision_only,
-        make_allocator_unicache, make_allocator_explicit,
-        // executors
-        make_executor_evict, make_executor_merge_evicted, make_executor_unicache,
-        // quantizers
-        make_quantizer_none, make_quantizer_int8, make_quantizer_int8_head, make_quantizer_int4,
-        make_quantizer_kivi2}) {
-    r.add(make());
-  }
+#define KVSCOPE_ADD_STAGE(n) r.add(make_##n());
+  KVSCOPE_BUILTIN_STAGES(KVSCOPE_ADD_STAGE)
+#undef KVSCOPE_ADD_STAGE
   return r;
 }
 

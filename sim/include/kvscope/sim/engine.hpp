@@ -5,6 +5,7 @@
 // policy of a sweep.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -117,6 +118,13 @@ class LayerData {
   };
   const MergedHeads& merged_heads(float threshold);
 
+  // A statistic that a stage defines itself (sim/src/stages/), computed once per layer under `key`
+  // by compute(*this) and shared by every point. With reads_prefill, compute reads the trace's
+  // prefill tensors (prefill()), so it must first run before release_prefill(): from the stage's
+  // prepare_prefill. Like the other statistics, not thread-safe to fill, only to read.
+  const std::vector<float>& stage_statistic(const std::string& key, bool reads_prefill,
+                                            const std::function<std::vector<float>(LayerData&)>& compute);
+
   // Drops the trace's prefill tensors once every statistic the points need from them is
   // computed (prepare() or prepare_prefill_statistics()): afterwards only the float32 copy
   // (k_all / v_all, built here if it was not yet, dropping each trace tensor once converted) and
@@ -146,6 +154,7 @@ class LayerData {
   bool have_similarity_ = false;
   bool prefill_released_ = false;
   std::map<float, MergedHeads> merged_;
+  std::map<std::string, std::vector<float>> stage_stats_;
   void require_prefill(const char* what) const;
   // Trace tensors [Hkv, T, D] and [Hkv, S, D] -> float32 [Hkv, T + S, D] (k_all's layout).
   void fill_all(const trace::Tensor& prefill, const trace::Tensor& decode, std::vector<float>& out) const;

@@ -37,6 +37,9 @@ struct StageInfo {
   std::string source;   // paper / section
   bool decode = false;  // works in decode-time mode (~decode)
   std::vector<ParamDecl> params;
+  // Scorers: also a preset of the same name (this scorer, uniform allocator, evict executor, the
+  // declared defaults), so that `--policies NAME` works without an INI file.
+  bool preset = false;
 };
 
 // Every registered stage of a kind, in registration order (sim/src/stages/registry.cpp).
