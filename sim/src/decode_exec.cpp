@@ -25,6 +25,7 @@ struct HeadState {
   std::vector<std::int32_t> evicted, slots;  // [S] tokens evicted, slots after the step
   std::string error;
   bool clamped = false;
+  bool clamped_protected = false;  // the forced set that exceeded the cap had protected tokens
 };
 
 }  // namespace
@@ -75,7 +76,8 @@ LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep,
     }
   }
   // Cap of this layer in tokens per kv head (a cap of the whole context or more never evicts).
-  const bool unlimited = cap_keep >= 1.0;
+  // A cap of the whole context or more never evicts; nor does a layer the allocator keeps whole.
+  const bool unlimited = cap_keep >= 1.0 || stages::allocator_of(p).keeps_layer(view);
   int cap = T;
   if (!unlimited) {
     const double frac = stages::allocator_of(p).layer_fraction(view, cap_keep);
@@ -84,6 +86,7 @@ LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep,
   const int recent = std::max(p.recent, static_cast<int>(std::lround(p.recent_fraction * cap)));
   // The scorer's per-head state, made here (it may read lazily computed layer statistics).
   const stages::Scorer& scorer = stages::scorer_of(p);
+  const stages::Allocator& allocator = stages::allocator_of(p);
   for (int h = 0; h < H; ++h) {
     st[static_cast<std::size_t>(h)].scoring = scorer.decode_scoring(view, h);
     if (!st[static_cast<std::size_t>(h)].scoring) throw std::logic_error("scorer '" + p.stages.scorer + "' has no decode mode");
@@ -110,7 +113,7 @@ LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep,
     try {
       std::vector<float> qk, qv, scores;
       std::vector<std::int32_t> t2s, idx;
-      std::vector<std::uint8_t> smod;
+      std::vector<std::uint8_t> smod, protect;
       for (int s = 0; s < S; ++s) {
         const int tok = T + s;
         hs.tokens.push_back(tok);
@@ -160,10 +163,38 @@ LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep,
         kernels::SelectParams sel;
         sel.num_sinks = static_cast<int>(std::count_if(hs.tokens.begin(), hs.tokens.end(), [&](std::int32_t t) { return t < p.sinks; }));
         sel.recent_window = std::min(recent, K);
+        // The allocator on the resident tokens: per-modality budgets (hybrid) or protected
+        // tokens (vision-only) of the cap; uniform and pyramid add nothing.
+        int k = cap;
+        stages::TokenView resident;
+        resident.count = K;
+        resident.modality = smod.data();
+        for (int i = 0; i < K; ++i) ++resident.per_modality[smod[static_cast<std::size_t>(i)]];
+        protect.assign(static_cast<std::size_t>(K), 0);
+        allocator.allocate_resident(view, resident, k, sel, protect);
+        const bool any_protected = std::find(protect.begin(), protect.end(), 1) != protect.end();
+        auto is_forced = [&](int i) { return i < sel.num_sinks || i >= K - sel.recent_window || protect[static_cast<std::size_t>(i)]; };
         int forced = 0;
-        for (int i = 0; i < K; ++i) forced += (i < sel.num_sinks || i >= K - sel.recent_window) ? 1 : 0;
-        sel.k = std::max(cap, forced);
-        if (forced > cap) hs.clamped = true;
+        for (int i = 0; i < K; ++i) forced += is_forced(i) ? 1 : 0;
+        if (forced > k) {
+          hs.clamped = true;
+          hs.clamped_protected |= any_protected;
+          if (sel.use_modality_budgets) {  // grow each modality's budget by the forced tokens it lacks
+            PerModalityCount fm{};
+            for (int i = 0; i < K; ++i)
+              if (is_forced(i)) ++fm[smod[static_cast<std::size_t>(i)]];
+            k = 0;
+            for (int m = 0; m < kModalities; ++m) {
+              sel.modality_budget[m] = std::max<int>(sel.modality_budget[m], static_cast<int>(fm[static_cast<std::size_t>(m)]));
+              k += sel.modality_budget[m];
+            }
+          } else {
+            k = forced;
+          }
+        }
+        sel.k = k;
+        if (sel.use_modality_budgets) sel.modality = smod.data();
+        if (any_protected) sel.protected_mask = protect.data();
         if (sel.k >= K) {
           hs.after[static_cast<std::size_t>(s)] = hs.before[static_cast<std::size_t>(s)];
           hs.slots[static_cast<std::size_t>(s)] = K;
@@ -198,7 +229,7 @@ LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep,
     if (hs.clamped) {
       warnings.push_back("layer " + std::to_string(layer) + ": decode cap of " + std::to_string(cap) +
                          " tokens is below the forced set (sinks + recent " + std::to_string(recent) +
-                         "); keeping the forced set");
+                         (hs.clamped_protected ? " + protected" : "") + "); keeping the forced set");
       break;
     }
   }

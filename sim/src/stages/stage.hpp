@@ -129,6 +129,10 @@ class Allocator : public Stage {
   virtual void allocate(const LayerView&, const std::vector<float>& /*scores*/, int /*working_heads*/,
                         int& /*k*/, kernels::SelectParams& /*sp*/,
                         std::vector<std::uint8_t>& /*protect*/) const {}
+  // Decode mode (only when info().decode): per-modality budgets and protected tokens among the K
+  // resident tokens (resident.modality [K]; decode tokens are text) for a cap of k tokens.
+  virtual void allocate_resident(const LayerView&, const TokenView& /*resident*/, int& /*k*/,
+                                 kernels::SelectParams& /*sp*/, std::vector<std::uint8_t>& /*protect*/) const {}
   // A schedule of its own: a point without a budget keeps default_keep() (else 0.5, and
   // `kvsim run` asks for a budget).
   virtual bool own_schedule() const { return false; }

@@ -1,5 +1,6 @@
 // hybrid: text dense, vision sparse: text gets min(n_text, lround(alpha * k)), the rest of k is
-// split over the other modalities by token count (floor; the remainder goes to vision).
+// split over the other modalities by token count (floor; the remainder goes to vision). Decode
+// mode: the same split of the cap over the resident tokens' modalities (decode tokens are text).
 #include <cmath>
 
 #include "../stage.hpp"
@@ -10,29 +11,35 @@ namespace {
 constexpr int kVision = static_cast<int>(kernels::Modality::kVision);
 constexpr int kText = static_cast<int>(kernels::Modality::kText);
 
+void split(const PerModalityCount& n, float share, int k, kernels::SelectParams& sp) {
+  sp.use_modality_budgets = true;
+  const int k_text = static_cast<int>(std::min<std::int64_t>(n[kText], std::lround(share * k)));
+  const int rest = k - k_text;
+  std::int64_t others = 0;
+  for (int m = 0; m < kModalities; ++m) others += m == kText ? 0 : n[static_cast<std::size_t>(m)];
+  sp.modality_budget[kText] = k_text;
+  int given = 0;
+  for (int m = 0; m < kModalities; ++m) {
+    if (m == kText) continue;
+    const int km = others ? static_cast<int>(std::floor(static_cast<double>(rest) *
+                                                        n[static_cast<std::size_t>(m)] / others))
+                          : 0;
+    sp.modality_budget[m] = km;
+    given += km;
+  }
+  sp.modality_budget[kVision] += rest - given;
+}
+
 class Hybrid final : public Allocator {
  public:
   using Allocator::Allocator;
   void allocate(const LayerView& v, const std::vector<float>&, int, int& k, kernels::SelectParams& sp,
                 std::vector<std::uint8_t>&) const override {
-    const PerModalityCount& n = v.tokens.per_modality;
-    const float share = v.policy.params.real("hybrid_text_share");
-    sp.use_modality_budgets = true;
-    const int k_text = static_cast<int>(std::min<std::int64_t>(n[kText], std::lround(share * k)));
-    const int rest = k - k_text;
-    std::int64_t others = 0;
-    for (int m = 0; m < kModalities; ++m) others += m == kText ? 0 : n[static_cast<std::size_t>(m)];
-    sp.modality_budget[kText] = k_text;
-    int given = 0;
-    for (int m = 0; m < kModalities; ++m) {
-      if (m == kText) continue;
-      const int km = others ? static_cast<int>(std::floor(static_cast<double>(rest) *
-                                                          n[static_cast<std::size_t>(m)] / others))
-                            : 0;
-      sp.modality_budget[m] = km;
-      given += km;
-    }
-    sp.modality_budget[kVision] += rest - given;
+    split(v.tokens.per_modality, v.policy.params.real("hybrid_text_share"), k, sp);
+  }
+  void allocate_resident(const LayerView& v, const TokenView& resident, int& k, kernels::SelectParams& sp,
+                         std::vector<std::uint8_t>&) const override {
+    split(resident.per_modality, v.policy.params.real("hybrid_text_share"), k, sp);
   }
 };
 
@@ -45,7 +52,7 @@ std::unique_ptr<Stage> make_allocator_hybrid() {
       "hybrid",
       "text dense (a share alpha of the budget), vision sparse",
       src,
-      false,
+      true,
       {float_param("hybrid_text_share", "0.5", 0, 1, "alpha: share of the budget reserved for text", src)}});
 }
 

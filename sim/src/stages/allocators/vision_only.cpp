@@ -1,5 +1,6 @@
 // vision-only: layers before fastv_layer keep everything; from there on every non-vision token is
-// protected and the rest of the budget goes to vision (FastV, vision-stride, LOOK-M).
+// protected and the rest of the budget goes to vision (FastV, vision-stride, LOOK-M). Decode mode:
+// every non-vision resident token (decode tokens are text) is protected; only vision is evicted.
 #include "../stage.hpp"
 
 namespace kvscope::sim::stages {
@@ -15,6 +16,10 @@ class VisionOnly final : public Allocator {
                 std::vector<std::uint8_t>& protect) const override {
     for (int t = 0; t < v.T; ++t) protect[static_cast<std::size_t>(t)] = !v.tokens.is_vision(t);
   }
+  void allocate_resident(const LayerView&, const TokenView& resident, int&, kernels::SelectParams&,
+                         std::vector<std::uint8_t>& protect) const override {
+    for (int i = 0; i < resident.count; ++i) protect[static_cast<std::size_t>(i)] = !resident.is_vision(i);
+  }
 };
 
 }  // namespace
@@ -26,7 +31,7 @@ std::unique_ptr<Stage> make_allocator_vision_only() {
                 "vision-only",
                 "text, audio and special tokens kept, the budget spent on vision",
                 src,
-                false,
+                true,
                 {int_param("fastv_layer", "2", 0, 1e6, "layers before this keep everything", src)}});
 }
 
