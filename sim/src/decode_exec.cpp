@@ -21,6 +21,10 @@ struct HeadState {
   std::vector<std::int32_t> tokens;  // resident token ids, ascending (context t < T, decode T + j)
   std::vector<float> k, v;           // [tokens, D] float32, as captured
   std::unique_ptr<stages::DecodeScoring> scoring;  // the scorer's state for this head
+  // Merging executors only: multiplicity of each resident slot, and the resident token id holding
+  // every token id (itself, the slot it was merged into, or -1: evicted or not yet appended).
+  std::vector<std::int32_t> mult;   // [tokens]
+  std::vector<std::int32_t> owner;  // [T + S]
   std::vector<std::int64_t> before, after;  // [S] resident bytes per step
   std::vector<std::int32_t> evicted, slots;  // [S] tokens evicted, slots after the step
   std::string error;
@@ -87,6 +91,14 @@ LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep,
   // The scorer's per-head state, made here (it may read lazily computed layer statistics).
   const stages::Scorer& scorer = stages::scorer_of(p);
   const stages::Allocator& allocator = stages::allocator_of(p);
+  const stages::Executor& executor = stages::executor_of(p);
+  const bool merging = executor.merges();
+  // Resident bytes of K slots: a merging executor also stores an int32 multiplicity per slot.
+  auto bytes_of = [&](int K) {
+    Bytes b = resident_bytes(p, K, D, ctx.dtype);
+    if (merging) b.multiplicity = 4ll * K;
+    return b;
+  };
   for (int h = 0; h < H; ++h) {
     st[static_cast<std::size_t>(h)].scoring = scorer.decode_scoring(view, h);
     if (!st[static_cast<std::size_t>(h)].scoring) throw std::logic_error("scorer '" + p.stages.scorer + "' has no decode mode");
@@ -110,17 +122,26 @@ LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep,
       hs.k.insert(hs.k.end(), kh + static_cast<std::size_t>(t) * D, kh + static_cast<std::size_t>(t + 1) * D);
       hs.v.insert(hs.v.end(), vh + static_cast<std::size_t>(t) * D, vh + static_cast<std::size_t>(t + 1) * D);
     }
+    if (merging) {
+      hs.owner.assign(N, -1);
+      for (auto t : hs.tokens) hs.owner[static_cast<std::size_t>(t)] = t;
+      hs.mult.assign(hs.tokens.size(), 1);
+    }
     try {
-      std::vector<float> qk, qv, scores;
-      std::vector<std::int32_t> t2s, idx;
+      std::vector<float> qk, qv, scores, imp;
+      std::vector<std::int32_t> t2s, idx, sn, t2, newmult;
       std::vector<std::uint8_t> smod, protect;
       for (int s = 0; s < S; ++s) {
         const int tok = T + s;
         hs.tokens.push_back(tok);
         hs.k.insert(hs.k.end(), kh + static_cast<std::size_t>(tok) * D, kh + static_cast<std::size_t>(tok + 1) * D);
         hs.v.insert(hs.v.end(), vh + static_cast<std::size_t>(tok) * D, vh + static_cast<std::size_t>(tok + 1) * D);
+        if (merging) {
+          hs.owner[static_cast<std::size_t>(tok)] = tok;
+          hs.mult.push_back(1);
+        }
         int K = static_cast<int>(hs.tokens.size());
-        hs.before[static_cast<std::size_t>(s)] = resident_bytes(p, K, D, ctx.dtype).total();
+        hs.before[static_cast<std::size_t>(s)] = bytes_of(K).total();
         // What the query attends to: the resident cache, dequantized when the policy quantizes.
         const float* ek = hs.k.data();
         const float* ev = hs.v.data();
@@ -139,8 +160,14 @@ LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep,
           t2s[static_cast<std::size_t>(hs.tokens[static_cast<std::size_t>(i)])] = i;
           smod[static_cast<std::size_t>(i)] = ctx.modality_all[static_cast<std::size_t>(hs.tokens[static_cast<std::size_t>(i)])];
         }
-        add_step_quality(L, ctx, h, s, StepCache{ek, ev, K, nullptr, smod.data(), t2s.data()}, p.proportional_attention,
-                         quality);
+        if (merging) {  // merged tokens are represented by the slot they joined
+          for (int x = 0; x <= tok; ++x) {
+            const std::int32_t o = hs.owner[static_cast<std::size_t>(x)];
+            if (o >= 0 && o != x) t2s[static_cast<std::size_t>(x)] = t2s[static_cast<std::size_t>(o)];
+          }
+        }
+        add_step_quality(L, ctx, h, s, StepCache{ek, ev, K, merging ? hs.mult.data() : nullptr, smod.data(), t2s.data()},
+                         p.proportional_attention, quality);
         // Statistics of query s over the resident keys: one attention problem, G query heads.
         kernels::AttentionProblem a;
         a.q = &qs[(static_cast<std::size_t>(s) * Hq + static_cast<std::size_t>(h) * G) * D];
@@ -205,7 +232,32 @@ LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep,
         check(ctx.backend->select_topk(scores.data(), 1, K, sel, idx.data(), &count), "select");
         std::vector<std::int32_t> tokens(static_cast<std::size_t>(count));
         std::vector<float> nk(static_cast<std::size_t>(count) * D), nv(nk.size());
-        for (int i = 0; i < count; ++i) {
+        for (int i = 0; i < count; ++i) tokens[static_cast<std::size_t>(i)] = hs.tokens[static_cast<std::size_t>(idx[static_cast<std::size_t>(i)])];
+        if (merging) {
+          // The executor folds the dropped resident tokens into the kept slots (its window counts
+          // resident slots); merge weights are the scores shifted to be >= 0, times each slot's
+          // multiplicity, so a slot that already holds n tokens weighs n times.
+          float mn = 0;
+          for (int i = 0; i < K; ++i) mn = std::min(mn, scores[static_cast<std::size_t>(i)]);
+          imp.resize(static_cast<std::size_t>(K));
+          for (int i = 0; i < K; ++i)
+            imp[static_cast<std::size_t>(i)] = (scores[static_cast<std::size_t>(i)] - mn + 1e-6f) * static_cast<float>(hs.mult[static_cast<std::size_t>(i)]);
+          sn.assign(static_cast<std::size_t>(count), 1);
+          t2.assign(static_cast<std::size_t>(K), -1);
+          executor.execute(view, K, hs.k.data(), hs.v.data(), idx.data(), count, imp.data(),
+                           stages::SlotOutput{nk.data(), nv.data(), sn.data(), t2.data()});
+          newmult.assign(static_cast<std::size_t>(count), 0);
+          for (int i = 0; i < K; ++i)
+            if (t2[static_cast<std::size_t>(i)] >= 0) newmult[static_cast<std::size_t>(t2[static_cast<std::size_t>(i)])] += hs.mult[static_cast<std::size_t>(i)];
+          for (int x = 0; x <= tok; ++x) {  // owners move to the slot their resident token went to
+            std::int32_t& o = hs.owner[static_cast<std::size_t>(x)];
+            if (o < 0) continue;
+            const std::int32_t to = t2[static_cast<std::size_t>(t2s[static_cast<std::size_t>(o)])];
+            o = to >= 0 ? tokens[static_cast<std::size_t>(to)] : -1;
+          }
+          hs.mult.swap(newmult);
+        }
+        for (int i = 0; i < count && !merging; ++i) {
           const std::size_t from = static_cast<std::size_t>(idx[static_cast<std::size_t>(i)]);
           tokens[static_cast<std::size_t>(i)] = hs.tokens[from];
           std::copy_n(&hs.k[from * D], D, &nk[static_cast<std::size_t>(i) * D]);
@@ -216,7 +268,7 @@ LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep,
         hs.k.swap(nk);
         hs.v.swap(nv);
         K = count;
-        hs.after[static_cast<std::size_t>(s)] = resident_bytes(p, K, D, ctx.dtype).total();
+        hs.after[static_cast<std::size_t>(s)] = bytes_of(K).total();
         hs.slots[static_cast<std::size_t>(s)] = K;
       }
     } catch (const std::exception& e) {
@@ -261,15 +313,22 @@ LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep,
       ++slots_m[ctx.modality[static_cast<std::size_t>(t)]];
       ++context_slots;
     }
-    const Bytes end = resident_bytes(p, K, D, ctx.dtype);
+    const Bytes end = bytes_of(K);
     // The context's share of the final cache, by slot count (decode tokens hold the rest).
     const double share = K ? static_cast<double>(context_slots) / K : 0.0;
     auto part = [&](std::int64_t x) { return static_cast<std::int64_t>(std::llround(static_cast<double>(x) * share)); };
-    hr.bytes_kept = Bytes{part(end.kv), part(end.scales), part(end.zeros), part(end.residual), 0, 0};
+    hr.bytes_kept = Bytes{part(end.kv), part(end.scales), part(end.zeros), part(end.residual), part(end.multiplicity), 0};
+    PerModalityCount merged_m{};
+    if (merging)
+      for (int t = 0; t < T; ++t) {
+        const std::int32_t o = hs.owner[static_cast<std::size_t>(t)];
+        if (o >= 0 && o != t) ++merged_m[ctx.modality[static_cast<std::size_t>(t)]];
+      }
     for (int m = 0; m < kModalities; ++m) {
       const auto i = static_cast<std::size_t>(m);
       hr.kept[i] = slots_m[i];
-      hr.evicted[i] = ctx.tokens[i] - slots_m[i];
+      hr.merged[i] = merged_m[i];
+      hr.evicted[i] = ctx.tokens[i] - slots_m[i] - merged_m[i];
       hr.bytes_kept_modality[i] = K ? static_cast<std::int64_t>(std::llround(static_cast<double>(end.total()) * slots_m[i] / K)) : 0;
     }
     hr.bytes_full_end = 2ll * static_cast<std::int64_t>(N) * D * elem;
@@ -285,6 +344,14 @@ LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep,
       tm.slot_token = hs.tokens;
       tm.state.resize(static_cast<std::size_t>(T));
       for (int t = 0; t < T; ++t) tm.state[static_cast<std::size_t>(t)] = tm.slot[static_cast<std::size_t>(t)] >= 0 ? 1 : 0;
+      if (merging)  // a merged token maps to the slot it joined (state 2)
+        for (int t = 0; t < T; ++t) {
+          const std::int32_t o = hs.owner[static_cast<std::size_t>(t)];
+          if (o < 0 || o == t) continue;
+          const auto at = std::find(hs.tokens.begin(), hs.tokens.end(), o);
+          tm.slot[static_cast<std::size_t>(t)] = static_cast<std::int32_t>(at - hs.tokens.begin());
+          tm.state[static_cast<std::size_t>(t)] = 2;
+        }
       tm.quant_bits = p.key_quant ? p.key_quant->bits : 0;
       res.token_maps.push_back(std::move(tm));
     }

@@ -237,7 +237,7 @@ LayerResult execute_selection(const PolicySpec& p, const LayerSelection& sel, La
         sv.resize(rows * D);
         sn.assign(rows, 1);
         std::int32_t* t2 = &tok2slot[static_cast<std::size_t>(w) * T];
-        ex.execute(view, kwork[static_cast<std::size_t>(w)], vwork[static_cast<std::size_t>(w)], kw, K,
+        ex.execute(view, T, kwork[static_cast<std::size_t>(w)], vwork[static_cast<std::size_t>(w)], kw, K,
                    merging ? &sel.importance[static_cast<std::size_t>(w) * T] : nullptr,
                    stages::SlotOutput{sk.data(), sv.data(), sn.data(), t2});
         Bytes& b = head_bytes[static_cast<std::size_t>(w)];

@@ -150,9 +150,10 @@ class Executor : public Stage {
  public:
   using Stage::Stage;
   virtual bool merges() const = 0;  // dropped tokens may fold into slots (multiplicities are stored)
-  // Builds the K slots of one working head: keys / values [T, D], kept [K] ascending,
-  // importance [T] (merge weights, merging executors only).
-  virtual void execute(const LayerView& view, const float* keys, const float* values,
+  // Builds the K slots of one working head from n tokens (the context, n = T, in prefill mode; the
+  // resident cache in decode mode): keys / values [n, D], kept [K] ascending indices into them,
+  // importance [n] (merge weights, merging executors only); out.token_to_slot is [n].
+  virtual void execute(const LayerView& view, int n, const float* keys, const float* values,
                        const std::int32_t* kept, int K, const float* importance, SlotOutput out) const = 0;
 };
 

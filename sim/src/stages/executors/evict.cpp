@@ -10,9 +10,9 @@ class Evict final : public Executor {
  public:
   using Executor::Executor;
   bool merges() const override { return false; }
-  void execute(const LayerView& v, const float* keys, const float* values, const std::int32_t* kept, int K,
-               const float*, SlotOutput out) const override {
-    kernels::CompactShape cs{1, v.T, v.head_dim, kernels::DType::kF32};
+  void execute(const LayerView& v, int n, const float* keys, const float* values, const std::int32_t* kept,
+               int K, const float*, SlotOutput out) const override {
+    kernels::CompactShape cs{1, n, v.head_dim, kernels::DType::kF32};
     kernels::KeptIndices ki{kept, nullptr, K};
     kernels::CompactInputs ci;
     ci.keys = keys;

@@ -4,8 +4,9 @@
 
 namespace kvscope::sim::stages {
 
-void merge_into_kept(const LayerView& v, const float* keys, const float* values, const std::int32_t* kept,
-                     int K, const float* importance, int window, float threshold, SlotOutput out);
+void merge_into_kept(const LayerView& v, int n, const float* keys, const float* values,
+                     const std::int32_t* kept, int K, const float* importance, int window, float threshold,
+                     SlotOutput out);
 
 namespace {
 
@@ -13,9 +14,9 @@ class UniCacheExecutor final : public Executor {
  public:
   using Executor::Executor;
   bool merges() const override { return true; }
-  void execute(const LayerView& v, const float* keys, const float* values, const std::int32_t* kept, int K,
-               const float* importance, SlotOutput out) const override {
-    merge_into_kept(v, keys, values, kept, K, importance, v.policy.params.integer("merge_window"),
+  void execute(const LayerView& v, int n, const float* keys, const float* values, const std::int32_t* kept,
+               int K, const float* importance, SlotOutput out) const override {
+    merge_into_kept(v, n, keys, values, kept, K, importance, v.policy.params.integer("merge_window"),
                     v.policy.params.real("unicache.merge_threshold"), out);
   }
 };
