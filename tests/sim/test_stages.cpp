@@ -174,8 +174,8 @@ TEST(Stages, DecodeSupportIsWhatEachStageDeclares) {
   }
   // The supported list in the message is the declared one.
   try {
-    PolicyRegistry().get("look-m~decode");
-    ADD_FAILURE() << "look-m~decode accepted";
+    PolicyRegistry().get("unicache~decode");
+    ADD_FAILURE() << "unicache~decode accepted";
   } catch (const PolicyError& e) {
     EXPECT_NE(
         std::string(e.what()).find("it supports scorers none, recency, h2o, snapkv, tova, knorm, random"),
