@@ -54,31 +54,35 @@ class WhatIfPanel : public Panel {
     changed |= ImGui::SliderInt("sinks", &p.sinks, 0, 64);
     changed |= ImGui::SliderInt("recent", &p.recent, 0, 256);
     changed |= ImGui::SliderFloat("recent fraction", &p.recent_fraction, 0.0f, 0.9f, "%.2f");
-    changed |= ImGui::Checkbox("head merge", &p.head_merge);
-    changed |= ImGui::SliderFloat("head merge threshold", &p.head_merge_threshold, 0.5f, 1.0f, "%.2f");
-    if (p.allocator == sim::AllocatorKind::kPyramid) {
-      changed |= ImGui::SliderFloat("pyramid spread", &p.pyramid_spread, 0.0f, 1.0f, "%.2f");
+    // Stage parameters are edited through the same declared-parameter path as an INI file.
+    auto slider = [&](const char* label, const char* key, float lo, float hi) {
+      float x = p.params.real(key);
+      if (!ImGui::SliderFloat(label, &x, lo, hi, "%.2f")) return false;
+      p.set(key, std::to_string(x), "what-if");
+      return true;
+    };
+    bool merge_heads = p.stages.head_merge != "none";
+    if (ImGui::Checkbox("head merge", &merge_heads)) {
+      p.set("head_merge", merge_heads ? "true" : "false", "what-if");
+      changed = true;
     }
-    if (p.allocator == sim::AllocatorKind::kHybrid) {
-      changed |= ImGui::SliderFloat("hybrid text share", &p.hybrid_text_share, 0.0f, 1.0f, "%.2f");
-    }
-    if (p.executor == sim::ExecutorKind::kMergeEvicted) {
-      changed |= ImGui::SliderFloat("merge threshold", &p.merge_threshold, 0.0f, 1.0f, "%.2f");
-    }
-    if (p.scorer == sim::ScorerKind::kUniCache || p.allocator == sim::AllocatorKind::kUniCache) {
-      sim::UniCacheConfig& u = p.unicache;
+    changed |= slider("head merge threshold", "head_merge_threshold", 0.5f, 1.0f);
+    if (p.stages.allocator == "pyramid") changed |= slider("pyramid spread", "pyramid_spread", 0.0f, 1.0f);
+    if (p.stages.allocator == "hybrid") changed |= slider("hybrid text share", "hybrid_text_share", 0.0f, 1.0f);
+    if (p.stages.executor == "merge-evicted") changed |= slider("merge threshold", "merge_threshold", 0.0f, 1.0f);
+    if (p.stages.scorer == "unicache" || p.stages.allocator == "unicache") {
       ImGui::Separator();
       ImGui::TextUnformatted("UniCache score s = w_a a + w_c c - w_d d + w_r r");
-      changed |= ImGui::SliderFloat("w_a attention", &u.w_a, 0.0f, 1.0f, "%.2f");
-      changed |= ImGui::SliderFloat("w_c cross-modal", &u.w_c, 0.0f, 1.0f, "%.2f");
-      changed |= ImGui::SliderFloat("w_d redundancy", &u.w_d, 0.0f, 1.0f, "%.2f");
-      changed |= ImGui::SliderFloat("w_r recency", &u.w_r, 0.0f, 1.0f, "%.2f");
-      changed |= ImGui::SliderFloat("rate shallow", &u.rate_shallow, 0.0f, 0.95f, "%.2f");
-      changed |= ImGui::SliderFloat("rate deep", &u.rate_deep, 0.0f, 0.95f, "%.2f");
-      changed |= ImGui::SliderFloat("vision cap", &u.vision_cap, 0.0f, 0.95f, "%.2f");
-      changed |= ImGui::SliderFloat("text cap", &u.text_cap, 0.0f, 0.95f, "%.2f");
-      changed |= ImGui::SliderFloat("merge threshold", &u.merge_threshold, 0.0f, 1.0f, "%.2f");
-      changed |= ImGui::SliderFloat("align threshold", &u.align_threshold, 0.0f, 1.0f, "%.2f");
+      changed |= slider("w_a attention", "unicache.w_a", 0.0f, 1.0f);
+      changed |= slider("w_c cross-modal", "unicache.w_c", 0.0f, 1.0f);
+      changed |= slider("w_d redundancy", "unicache.w_d", 0.0f, 1.0f);
+      changed |= slider("w_r recency", "unicache.w_r", 0.0f, 1.0f);
+      changed |= slider("rate shallow", "unicache.rate_shallow", 0.0f, 0.95f);
+      changed |= slider("rate deep", "unicache.rate_deep", 0.0f, 0.95f);
+      changed |= slider("vision cap", "unicache.vision_cap", 0.0f, 0.95f);
+      changed |= slider("text cap", "unicache.text_cap", 0.0f, 0.95f);
+      changed |= slider("merge threshold", "unicache.merge_threshold", 0.0f, 1.0f);
+      changed |= slider("align threshold", "unicache.align_threshold", 0.0f, 1.0f);
     }
     ImGui::PopItemWidth();
     if (ImGui::Button("reset")) edited_ = *base, changed = true;

@@ -9,6 +9,7 @@
 #include "exec_util.hpp"
 #include "evaluation.hpp"
 #include "kvscope/sim/engine.hpp"
+#include "stages/stage.hpp"
 
 namespace kvscope::sim {
 
@@ -19,11 +20,16 @@ using detail::check;
 struct HeadState {
   std::vector<std::int32_t> tokens;  // resident token ids, ascending (context t < T, decode T + j)
   std::vector<float> k, v;           // [tokens, D] float32, as captured
-  std::vector<float> acc;            // [T + S] accumulated attention by token id (H2O)
+  std::unique_ptr<stages::DecodeScoring> scoring;  // the scorer's state for this head
+  // Merging executors only: multiplicity of each resident slot, and the resident token id holding
+  // every token id (itself, the slot it was merged into, or -1: evicted or not yet appended).
+  std::vector<std::int32_t> mult;   // [tokens]
+  std::vector<std::int32_t> owner;  // [T + S]
   std::vector<std::int64_t> before, after;  // [S] resident bytes per step
   std::vector<std::int32_t> evicted, slots;  // [S] tokens evicted, slots after the step
   std::string error;
   bool clamped = false;
+  bool clamped_protected = false;  // the forced set that exceeded the cap had protected tokens
 };
 
 }  // namespace
@@ -52,6 +58,7 @@ LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep,
   const int layer = L.layer();
   const std::size_t N = static_cast<std::size_t>(T) + static_cast<std::size_t>(S);
   if (S <= 0) throw std::runtime_error("no evaluation queries");
+  const stages::LayerView view(p, L, ctx);
   L.prepare_steps();
   const auto& kall = L.k_all();
   const auto& vall = L.v_all();
@@ -73,18 +80,29 @@ LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep,
     }
   }
   // Cap of this layer in tokens per kv head (a cap of the whole context or more never evicts).
-  const bool unlimited = cap_keep >= 1.0;
+  // A cap of the whole context or more never evicts; nor does a layer the allocator keeps whole.
+  const bool unlimited = cap_keep >= 1.0 || stages::allocator_of(p).keeps_layer(view);
   int cap = T;
   if (!unlimited) {
-    double frac = cap_keep;
-    if (p.allocator == AllocatorKind::kPyramid && g.num_layers > 1) {
-      frac = cap_keep * (1.0 + p.pyramid_spread * (1.0 - 2.0 * layer / (g.num_layers - 1)));
-    }
+    const double frac = stages::allocator_of(p).layer_fraction(view, cap_keep);
     cap = std::clamp(static_cast<int>(std::lround(std::clamp(frac, 0.0, 1.0) * T)), 1, T);
   }
   const int recent = std::max(p.recent, static_cast<int>(std::lround(p.recent_fraction * cap)));
-  const std::vector<float>* prefill_h2o = p.scorer == ScorerKind::kH2O ? &L.h2o() : nullptr;
-  const std::vector<float>* knorm = p.scorer == ScorerKind::kKeyNorm ? &L.key_norm_all() : nullptr;
+  // The scorer's per-head state, made here (it may read lazily computed layer statistics).
+  const stages::Scorer& scorer = stages::scorer_of(p);
+  const stages::Allocator& allocator = stages::allocator_of(p);
+  const stages::Executor& executor = stages::executor_of(p);
+  const bool merging = executor.merges();
+  // Resident bytes of K slots: a merging executor also stores an int32 multiplicity per slot.
+  auto bytes_of = [&](int K) {
+    Bytes b = resident_bytes(p, K, D, ctx.dtype);
+    if (merging) b.multiplicity = 4ll * K;
+    return b;
+  };
+  for (int h = 0; h < H; ++h) {
+    st[static_cast<std::size_t>(h)].scoring = scorer.decode_scoring(view, h);
+    if (!st[static_cast<std::size_t>(h)].scoring) throw std::logic_error("scorer '" + p.stages.scorer + "' has no decode mode");
+  }
 
   LayerResult res;
   res.layer = layer;
@@ -104,19 +122,26 @@ LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep,
       hs.k.insert(hs.k.end(), kh + static_cast<std::size_t>(t) * D, kh + static_cast<std::size_t>(t + 1) * D);
       hs.v.insert(hs.v.end(), vh + static_cast<std::size_t>(t) * D, vh + static_cast<std::size_t>(t + 1) * D);
     }
-    hs.acc.assign(N, 0.0f);
-    if (prefill_h2o) std::copy_n(prefill_h2o->begin() + static_cast<std::ptrdiff_t>(h) * T, T, hs.acc.begin());
+    if (merging) {
+      hs.owner.assign(N, -1);
+      for (auto t : hs.tokens) hs.owner[static_cast<std::size_t>(t)] = t;
+      hs.mult.assign(hs.tokens.size(), 1);
+    }
     try {
-      std::vector<float> qk, qv, stat, scores;
-      std::vector<std::int32_t> t2s, idx;
-      std::vector<std::uint8_t> smod;
+      std::vector<float> qk, qv, scores, imp;
+      std::vector<std::int32_t> t2s, idx, sn, t2, newmult;
+      std::vector<std::uint8_t> smod, protect;
       for (int s = 0; s < S; ++s) {
         const int tok = T + s;
         hs.tokens.push_back(tok);
         hs.k.insert(hs.k.end(), kh + static_cast<std::size_t>(tok) * D, kh + static_cast<std::size_t>(tok + 1) * D);
         hs.v.insert(hs.v.end(), vh + static_cast<std::size_t>(tok) * D, vh + static_cast<std::size_t>(tok + 1) * D);
+        if (merging) {
+          hs.owner[static_cast<std::size_t>(tok)] = tok;
+          hs.mult.push_back(1);
+        }
         int K = static_cast<int>(hs.tokens.size());
-        hs.before[static_cast<std::size_t>(s)] = resident_bytes(p, K, D, ctx.dtype).total();
+        hs.before[static_cast<std::size_t>(s)] = bytes_of(K).total();
         // What the query attends to: the resident cache, dequantized when the policy quantizes.
         const float* ek = hs.k.data();
         const float* ev = hs.v.data();
@@ -135,8 +160,14 @@ LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep,
           t2s[static_cast<std::size_t>(hs.tokens[static_cast<std::size_t>(i)])] = i;
           smod[static_cast<std::size_t>(i)] = ctx.modality_all[static_cast<std::size_t>(hs.tokens[static_cast<std::size_t>(i)])];
         }
-        add_step_quality(L, ctx, h, s, StepCache{ek, ev, K, nullptr, smod.data(), t2s.data()}, p.proportional_attention,
-                         quality);
+        if (merging) {  // merged tokens are represented by the slot they joined
+          for (int x = 0; x <= tok; ++x) {
+            const std::int32_t o = hs.owner[static_cast<std::size_t>(x)];
+            if (o >= 0 && o != x) t2s[static_cast<std::size_t>(x)] = t2s[static_cast<std::size_t>(o)];
+          }
+        }
+        add_step_quality(L, ctx, h, s, StepCache{ek, ev, K, merging ? hs.mult.data() : nullptr, smod.data(), t2s.data()},
+                         p.proportional_attention, quality);
         // Statistics of query s over the resident keys: one attention problem, G query heads.
         kernels::AttentionProblem a;
         a.q = &qs[(static_cast<std::size_t>(s) * Hq + static_cast<std::size_t>(h) * G) * D];
@@ -148,72 +179,49 @@ LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep,
         a.head_dim = D;
         a.dtype = kernels::DType::kF32;
         a.causal = false;
-        auto sum_groups = [&](std::vector<float>& out) {
-          out.assign(static_cast<std::size_t>(K), 0.0f);
-          for (int j = 0; j < G; ++j)
-            for (int i = 0; i < K; ++i) out[static_cast<std::size_t>(i)] += stat[static_cast<std::size_t>(j) * K + i];
-        };
-        stat.resize(static_cast<std::size_t>(G) * K);
-        if (p.scorer == ScorerKind::kH2O) {
-          check(ctx.backend->accumulated_attention(a, kernels::QueryRange{0, -1}, stat.data()), "H2O attention");
-          sum_groups(scores);
-          for (int i = 0; i < K; ++i) hs.acc[static_cast<std::size_t>(hs.tokens[static_cast<std::size_t>(i)])] += scores[static_cast<std::size_t>(i)];
-        }
+        const stages::DecodeStepView step{s, h, hs.tokens, a, qs, *ctx.backend};
+        hs.scoring->observe(step);
         if (s % p.interval != 0 || unlimited || K <= cap) {
           hs.after[static_cast<std::size_t>(s)] = hs.before[static_cast<std::size_t>(s)];
           hs.slots[static_cast<std::size_t>(s)] = K;
           continue;
         }
-        switch (p.scorer) {
-          case ScorerKind::kH2O:
-            scores.resize(static_cast<std::size_t>(K));
-            for (int i = 0; i < K; ++i) scores[static_cast<std::size_t>(i)] = hs.acc[static_cast<std::size_t>(hs.tokens[static_cast<std::size_t>(i)])];
-            break;
-          case ScorerKind::kTOVA:
-            check(ctx.backend->tova_scores(a, stat.data()), "TOVA scores");
-            sum_groups(scores);
-            break;
-          case ScorerKind::kSnapKV: {
-            // Observation window: the last min(W, s + 1) decode queries, on the current keys.
-            const int wlen = std::min(p.snapkv.window, s + 1);
-            std::vector<float> qwin(static_cast<std::size_t>(G) * wlen * D);
-            for (int j = 0; j < G; ++j)
-              for (int i = 0; i < wlen; ++i)
-                std::copy_n(&qs[(static_cast<std::size_t>(s - wlen + 1 + i) * Hq + static_cast<std::size_t>(h) * G + j) * D], D,
-                            &qwin[(static_cast<std::size_t>(j) * wlen + i) * D]);
-            kernels::AttentionProblem aw = a;
-            aw.q = qwin.data();
-            aw.q_len = wlen;
-            kernels::SnapKVParams sp = p.snapkv;
-            sp.window = wlen;
-            check(ctx.backend->snapkv_scores(aw, sp, stat.data()), "SnapKV scores");
-            sum_groups(scores);
-            break;
-          }
-          case ScorerKind::kKeyNorm:
-            scores.resize(static_cast<std::size_t>(K));
-            for (int i = 0; i < K; ++i)
-              scores[static_cast<std::size_t>(i)] = (*knorm)[static_cast<std::size_t>(h) * N + static_cast<std::size_t>(hs.tokens[static_cast<std::size_t>(i)])];
-            break;
-          case ScorerKind::kRandom:
-            scores.resize(static_cast<std::size_t>(K));
-            for (int i = 0; i < K; ++i) {
-              const auto u = static_cast<std::size_t>(i);
-              scores[u] = detail::random_token_score(p.seed, layer, h, hs.tokens[u]);
-            }
-            break;
-          default:  // none, recency: newest first
-            scores.resize(static_cast<std::size_t>(K));
-            for (int i = 0; i < K; ++i) scores[static_cast<std::size_t>(i)] = static_cast<float>(hs.tokens[static_cast<std::size_t>(i)]);
-            break;
-        }
+        hs.scoring->score(step, scores);
         kernels::SelectParams sel;
         sel.num_sinks = static_cast<int>(std::count_if(hs.tokens.begin(), hs.tokens.end(), [&](std::int32_t t) { return t < p.sinks; }));
         sel.recent_window = std::min(recent, K);
+        // The allocator on the resident tokens: per-modality budgets (hybrid) or protected
+        // tokens (vision-only) of the cap; uniform and pyramid add nothing.
+        int k = cap;
+        stages::TokenView resident;
+        resident.count = K;
+        resident.modality = smod.data();
+        for (int i = 0; i < K; ++i) ++resident.per_modality[smod[static_cast<std::size_t>(i)]];
+        protect.assign(static_cast<std::size_t>(K), 0);
+        allocator.allocate_resident(view, resident, k, sel, protect);
+        const bool any_protected = std::find(protect.begin(), protect.end(), 1) != protect.end();
+        auto is_forced = [&](int i) { return i < sel.num_sinks || i >= K - sel.recent_window || protect[static_cast<std::size_t>(i)]; };
         int forced = 0;
-        for (int i = 0; i < K; ++i) forced += (i < sel.num_sinks || i >= K - sel.recent_window) ? 1 : 0;
-        sel.k = std::max(cap, forced);
-        if (forced > cap) hs.clamped = true;
+        for (int i = 0; i < K; ++i) forced += is_forced(i) ? 1 : 0;
+        if (forced > k) {
+          hs.clamped = true;
+          hs.clamped_protected |= any_protected;
+          if (sel.use_modality_budgets) {  // grow each modality's budget by the forced tokens it lacks
+            PerModalityCount fm{};
+            for (int i = 0; i < K; ++i)
+              if (is_forced(i)) ++fm[smod[static_cast<std::size_t>(i)]];
+            k = 0;
+            for (int m = 0; m < kModalities; ++m) {
+              sel.modality_budget[m] = std::max<int>(sel.modality_budget[m], static_cast<int>(fm[static_cast<std::size_t>(m)]));
+              k += sel.modality_budget[m];
+            }
+          } else {
+            k = forced;
+          }
+        }
+        sel.k = k;
+        if (sel.use_modality_budgets) sel.modality = smod.data();
+        if (any_protected) sel.protected_mask = protect.data();
         if (sel.k >= K) {
           hs.after[static_cast<std::size_t>(s)] = hs.before[static_cast<std::size_t>(s)];
           hs.slots[static_cast<std::size_t>(s)] = K;
@@ -224,7 +232,32 @@ LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep,
         check(ctx.backend->select_topk(scores.data(), 1, K, sel, idx.data(), &count), "select");
         std::vector<std::int32_t> tokens(static_cast<std::size_t>(count));
         std::vector<float> nk(static_cast<std::size_t>(count) * D), nv(nk.size());
-        for (int i = 0; i < count; ++i) {
+        for (int i = 0; i < count; ++i) tokens[static_cast<std::size_t>(i)] = hs.tokens[static_cast<std::size_t>(idx[static_cast<std::size_t>(i)])];
+        if (merging) {
+          // The executor folds the dropped resident tokens into the kept slots (its window counts
+          // resident slots); merge weights are the scores shifted to be >= 0, times each slot's
+          // multiplicity, so a slot that already holds n tokens weighs n times.
+          float mn = 0;
+          for (int i = 0; i < K; ++i) mn = std::min(mn, scores[static_cast<std::size_t>(i)]);
+          imp.resize(static_cast<std::size_t>(K));
+          for (int i = 0; i < K; ++i)
+            imp[static_cast<std::size_t>(i)] = (scores[static_cast<std::size_t>(i)] - mn + 1e-6f) * static_cast<float>(hs.mult[static_cast<std::size_t>(i)]);
+          sn.assign(static_cast<std::size_t>(count), 1);
+          t2.assign(static_cast<std::size_t>(K), -1);
+          executor.execute(view, K, hs.k.data(), hs.v.data(), idx.data(), count, imp.data(),
+                           stages::SlotOutput{nk.data(), nv.data(), sn.data(), t2.data()});
+          newmult.assign(static_cast<std::size_t>(count), 0);
+          for (int i = 0; i < K; ++i)
+            if (t2[static_cast<std::size_t>(i)] >= 0) newmult[static_cast<std::size_t>(t2[static_cast<std::size_t>(i)])] += hs.mult[static_cast<std::size_t>(i)];
+          for (int x = 0; x <= tok; ++x) {  // owners move to the slot their resident token went to
+            std::int32_t& o = hs.owner[static_cast<std::size_t>(x)];
+            if (o < 0) continue;
+            const std::int32_t to = t2[static_cast<std::size_t>(t2s[static_cast<std::size_t>(o)])];
+            o = to >= 0 ? tokens[static_cast<std::size_t>(to)] : -1;
+          }
+          hs.mult.swap(newmult);
+        }
+        for (int i = 0; i < count && !merging; ++i) {
           const std::size_t from = static_cast<std::size_t>(idx[static_cast<std::size_t>(i)]);
           tokens[static_cast<std::size_t>(i)] = hs.tokens[from];
           std::copy_n(&hs.k[from * D], D, &nk[static_cast<std::size_t>(i) * D]);
@@ -235,7 +268,7 @@ LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep,
         hs.k.swap(nk);
         hs.v.swap(nv);
         K = count;
-        hs.after[static_cast<std::size_t>(s)] = resident_bytes(p, K, D, ctx.dtype).total();
+        hs.after[static_cast<std::size_t>(s)] = bytes_of(K).total();
         hs.slots[static_cast<std::size_t>(s)] = K;
       }
     } catch (const std::exception& e) {
@@ -248,7 +281,7 @@ LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep,
     if (hs.clamped) {
       warnings.push_back("layer " + std::to_string(layer) + ": decode cap of " + std::to_string(cap) +
                          " tokens is below the forced set (sinks + recent " + std::to_string(recent) +
-                         "); keeping the forced set");
+                         (hs.clamped_protected ? " + protected" : "") + "); keeping the forced set");
       break;
     }
   }
@@ -280,15 +313,22 @@ LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep,
       ++slots_m[ctx.modality[static_cast<std::size_t>(t)]];
       ++context_slots;
     }
-    const Bytes end = resident_bytes(p, K, D, ctx.dtype);
+    const Bytes end = bytes_of(K);
     // The context's share of the final cache, by slot count (decode tokens hold the rest).
     const double share = K ? static_cast<double>(context_slots) / K : 0.0;
     auto part = [&](std::int64_t x) { return static_cast<std::int64_t>(std::llround(static_cast<double>(x) * share)); };
-    hr.bytes_kept = Bytes{part(end.kv), part(end.scales), part(end.zeros), part(end.residual), 0, 0};
+    hr.bytes_kept = Bytes{part(end.kv), part(end.scales), part(end.zeros), part(end.residual), part(end.multiplicity), 0};
+    PerModalityCount merged_m{};
+    if (merging)
+      for (int t = 0; t < T; ++t) {
+        const std::int32_t o = hs.owner[static_cast<std::size_t>(t)];
+        if (o >= 0 && o != t) ++merged_m[ctx.modality[static_cast<std::size_t>(t)]];
+      }
     for (int m = 0; m < kModalities; ++m) {
       const auto i = static_cast<std::size_t>(m);
       hr.kept[i] = slots_m[i];
-      hr.evicted[i] = ctx.tokens[i] - slots_m[i];
+      hr.merged[i] = merged_m[i];
+      hr.evicted[i] = ctx.tokens[i] - slots_m[i] - merged_m[i];
       hr.bytes_kept_modality[i] = K ? static_cast<std::int64_t>(std::llround(static_cast<double>(end.total()) * slots_m[i] / K)) : 0;
     }
     hr.bytes_full_end = 2ll * static_cast<std::int64_t>(N) * D * elem;
@@ -304,6 +344,14 @@ LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep,
       tm.slot_token = hs.tokens;
       tm.state.resize(static_cast<std::size_t>(T));
       for (int t = 0; t < T; ++t) tm.state[static_cast<std::size_t>(t)] = tm.slot[static_cast<std::size_t>(t)] >= 0 ? 1 : 0;
+      if (merging)  // a merged token maps to the slot it joined (state 2)
+        for (int t = 0; t < T; ++t) {
+          const std::int32_t o = hs.owner[static_cast<std::size_t>(t)];
+          if (o < 0 || o == t) continue;
+          const auto at = std::find(hs.tokens.begin(), hs.tokens.end(), o);
+          tm.slot[static_cast<std::size_t>(t)] = static_cast<std::int32_t>(at - hs.tokens.begin());
+          tm.state[static_cast<std::size_t>(t)] = 2;
+        }
       tm.quant_bits = p.key_quant ? p.key_quant->bits : 0;
       res.token_maps.push_back(std::move(tm));
     }

@@ -9,6 +9,7 @@
 #include "kvscope/kernels/head_merge.hpp"
 #include "kvscope/kernels/scores.hpp"
 #include "kvscope/sim/engine.hpp"
+#include "stages/stage.hpp"
 
 namespace kvscope::sim {
 
@@ -198,6 +199,14 @@ const LayerData::MergedHeads& LayerData::merged_heads(float threshold) {
           "head merge");
   }
   return merged_.emplace(threshold, std::move(m)).first->second;
+}
+
+const std::vector<float>& LayerData::stage_statistic(const std::string& key, bool reads_prefill,
+                                                    const std::function<std::vector<float>(LayerData&)>& compute) {
+  auto it = stage_stats_.find(key);
+  if (it != stage_stats_.end()) return it->second;
+  if (reads_prefill) require_prefill(key.c_str());
+  return stage_stats_.emplace(key, compute(*this)).first->second;
 }
 
 kernels::AttentionProblem LayerData::problem() const {
@@ -440,29 +449,23 @@ const std::vector<float>& LayerData::key_norm_all() {
   return knorm_all_;
 }
 
+namespace {
+// The policy's stages, in pipeline order (the head merge only where it runs).
+std::vector<const stages::Stage*> stages_of(const PolicySpec& p) {
+  return {&stages::head_merge_of(p), &stages::scorer_of(p), &stages::allocator_of(p), &stages::executor_of(p),
+          &stages::quantizer_of(p)};
+}
+}  // namespace
+
 void LayerData::prepare_prefill_statistics(const PolicySpec& p) {
-  switch (p.scorer) {
-    case ScorerKind::kH2O: h2o(); break;
-    case ScorerKind::kSnapKV: snapkv(p.snapkv); break;
-    case ScorerKind::kTOVA: tova(); break;
-    case ScorerKind::kKeyNorm: key_norm(); break;
-    case ScorerKind::kUniCache:
-      h2o();
-      cross_received();
-      redundancy(p.unicache.seq_radius, p.unicache.grid_radius);
-      break;
-    default: break;
-  }
-  if (p.allocator == AllocatorKind::kUniCache) cross_given();
-  if (p.compress_tokens && p.head_merge && ctx_.geometry.num_kv_heads > 1) merged_heads(p.head_merge_threshold);
-  if (p.scorer == ScorerKind::kUniCache) cross_given();  // alignment protection reads it
+  // Every statistic a stage reads is declared by the stage (Stage::prepare_prefill).
+  for (const stages::Stage* s : stages_of(p)) s->prepare_prefill(*this, p, ctx_);
 }
 
 void LayerData::prepare_float_statistics(const PolicySpec& p) {
   k_all();
   if (!have_steps_) compute_full_steps();
-  if (p.mode == PolicyMode::kDecode && p.scorer == ScorerKind::kKeyNorm) key_norm_all();
-  if (p.allocator == AllocatorKind::kUniCache) modality_similarity();
+  for (const stages::Stage* s : stages_of(p)) s->prepare_float(*this, p, ctx_);
 }
 
 void LayerData::prepare_and_release(const std::vector<const PolicySpec*>& policies) {

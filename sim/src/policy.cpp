@@ -7,6 +7,9 @@
 #include <fstream>
 #include <sstream>
 
+#include "kvscope/sim/stages.hpp"
+#include "stages/stage.hpp"
+
 namespace kvscope::sim {
 
 namespace {
@@ -23,197 +26,296 @@ std::string lower(std::string s) {
   return s;
 }
 
-PolicySpec base(const std::string& name, const std::string& description, const std::string& source) {
-  PolicySpec p;
-  p.name = name;
-  p.description = description;
-  p.source = source;
-  return p;
+bool parse_bool(const std::string& v, const std::string& where) {
+  const std::string l = lower(v);
+  if (l == "true" || l == "1" || l == "yes" || l == "on") return true;
+  if (l == "false" || l == "0" || l == "no" || l == "off") return false;
+  throw PolicyError(where + ": '" + v + "' is not a boolean (true/false)");
 }
 
-void add(std::map<std::string, PolicySpec>& m, PolicySpec p) { m[p.name] = std::move(p); }
+double parse_number(const std::string& v, const std::string& where, double lo, double hi) {
+  std::size_t used = 0;
+  double x = 0;
+  try {
+    x = std::stod(v, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != v.size() || !std::isfinite(x)) throw PolicyError(where + ": '" + v + "' is not a number");
+  if (x < lo || x > hi) {
+    std::ostringstream o;
+    o << where << ": " << v << " is outside [" << lo << ", " << hi << "]";
+    throw PolicyError(o.str());
+  }
+  return x;
+}
+
+std::string join(const std::vector<std::string>& v) {
+  std::string s;
+  for (const auto& x : v) s += (s.empty() ? "" : ", ") + x;
+  return s;
+}
+
+std::vector<std::string> stage_name_list(StageKind k) {
+  std::vector<std::string> out;
+  for (const auto* i : stage_infos(k)) out.push_back(i->name);
+  return out;
+}
+
+// Validates `v` against a declaration; `w` = "WHERE: key". Throws PolicyError.
+void check_value(const ParamDecl& d, const std::string& v, const std::string& w) {
+  switch (d.type) {
+    case ParamType::kInt: {
+      // Counts must be whole numbers: "sinks = 2.7" is a mistake, not 2.
+      const double x = parse_number(v, w, d.lo, d.hi);
+      if (x != std::floor(x)) throw PolicyError(w + ": '" + v + "' is not a whole number");
+      if (d.odd && std::fmod(x, 2.0) == 0.0) throw PolicyError(w + ": must be odd");
+      break;
+    }
+    case ParamType::kFloat: parse_number(v, w, d.lo, d.hi); break;
+    case ParamType::kBool: parse_bool(v, w); break;
+    case ParamType::kChoice:
+      if (std::find(d.choices.begin(), d.choices.end(), v) == d.choices.end()) {
+        throw PolicyError(w + ": '" + v + "' is not one of " + join(d.choices));
+      }
+      break;
+    case ParamType::kText:
+    case ParamType::kBudget: break;
+  }
+}
+
+ParamDecl pipeline_param(std::string name, ParamType type, std::string def, double lo, double hi,
+                         std::vector<std::string> choices, std::string meaning) {
+  ParamDecl d;
+  d.name = std::move(name);
+  d.type = type;
+  d.default_text = std::move(def);
+  d.lo = lo;
+  d.hi = hi;
+  d.choices = std::move(choices);
+  d.meaning = std::move(meaning);
+  d.source = "kvscope";
+  return d;
+}
 
 }  // namespace
 
 bool quantizer_preset(const std::string& name, kernels::QuantSpec* key, kernels::QuantSpec* value) {
-  using kernels::Granularity;
-  if (name == "int8") {
-    *key = *value = kernels::QuantSpec{8, true, Granularity::kPerToken, 0, 0};
-    return true;
-  }
-  if (name == "int8-head") {
-    *key = *value = kernels::QuantSpec{8, true, Granularity::kPerHead, 0, 0};
-    return true;
-  }
-  if (name == "int4") {
-    *key = *value = kernels::QuantSpec{4, false, Granularity::kPerToken, 32, 0};
-    return true;
-  }
-  if (name == "kivi2") {
-    *key = kernels::kivi_key_spec(2, 32, 128);
-    *value = kernels::kivi_value_spec(2, 32, 128);
-    return true;
-  }
-  return false;
+  if (name == "none") return false;
+  const auto* q = stages::registry().find(StageKind::kQuantizer, name);
+  return q && static_cast<const stages::Quantizer*>(q)->specs(key, value);
 }
 
-PolicyRegistry::PolicyRegistry() {
-  auto& m = specs_;
-  {
-    auto p = base("full", "no compression: every token kept in the trace's dtype", "baseline");
-    p.compress_tokens = false;
-    add(m, p);
+const std::vector<ParamDecl>& pipeline_parameters() {
+  using T = ParamType;
+  static const std::vector<ParamDecl> p = {
+      pipeline_param("base", T::kText, "", 0, 0, {}, "preset (or composition) the policy starts from (required)"),
+      pipeline_param("description", T::kText, "", 0, 0, {}, "one-line description"),
+      pipeline_param("head_merge", T::kText, "none", 0, 0, {}, "head merge stage (true = cosine, false = none)"),
+      pipeline_param("scorer", T::kText, "none", 0, 0, {}, "scorer stage"),
+      pipeline_param("allocator", T::kText, "uniform", 0, 0, {}, "budget allocator stage"),
+      pipeline_param("executor", T::kText, "evict", 0, 0, {}, "executor stage (what happens to dropped tokens)"),
+      pipeline_param("quant", T::kText, "none", 0, 0, {}, "quantizer stage (none removes a preset's)"),
+      pipeline_param("sinks", T::kInt, "0", 0, 1e6, {}, "first N tokens always kept"),
+      pipeline_param("recent", T::kInt, "0", 0, 1e6, {}, "last N tokens always kept"),
+      pipeline_param("recent_fraction", T::kFloat, "0", 0, 1, {},
+                     "last lround(f k) tokens always kept (the larger of the two recent counts)"),
+      pipeline_param("shared_heads", T::kBool, "false", 0, 0, {}, "true: one kept set for all kv heads of a layer"),
+      pipeline_param("proportional_attention", T::kBool, "true", 0, 0, {}, "add log n to the logits of merged slots"),
+      pipeline_param("adaptive", T::kBool, "false", 0, 0, {}, "true: rate from input complexity, the budget is ignored"),
+      pipeline_param("mode", T::kChoice, "prefill", 0, 0, {"prefill", "decode"},
+                     "prefill (compress once after prefill) or decode (evict during the decode steps)"),
+      pipeline_param("cap", T::kBudget, "", 0, 0, {}, "decode mode: cache cap; unset = the point's budget"),
+      pipeline_param("interval", T::kInt, "1", 1, 1e6, {}, "decode mode: decode steps between evictions"),
+  };
+  return p;
+}
+
+std::string StageParams::text(const std::string& key) const {
+  const auto it = values_.find(key);
+  if (it != values_.end()) return it->second;
+  const ParamDecl* d = find_parameter(key);
+  if (!d) throw std::logic_error("undeclared stage parameter '" + key + "'");
+  return d->default_text;
+}
+
+double StageParams::number(const std::string& key) const { return std::stod(text(key)); }
+
+bool StageParams::flag(const std::string& key) const { return parse_bool(text(key), key); }
+
+std::vector<std::pair<std::string, std::string>> policy_parameters() {
+  std::vector<std::pair<std::string, std::string>> out;
+  std::vector<std::string> seen;
+  auto add = [&](const ParamDecl& d) {
+    if (std::find(seen.begin(), seen.end(), d.name) != seen.end()) return;
+    seen.push_back(d.name);
+    out.emplace_back(d.name, d.meaning);
+  };
+  for (const auto& d : pipeline_parameters()) add(d);
+  for (StageKind k : kStageKinds)
+    for (const auto* i : stage_infos(k))
+      for (const auto& d : i->params) add(d);
+  return out;
+}
+
+void PolicySpec::set(const std::string& key, const std::string& v, const std::string& where) {
+  const std::string w = where + ": " + key;
+  auto selector = [&](StageKind kind, std::string& slot) {
+    if (!find_stage_info(kind, v)) throw PolicyError(w + ": '" + v + "' is not one of " + join(stage_name_list(kind)));
+    slot = v;
+  };
+  const ParamDecl* d = find_parameter(key);
+  if (!d || key == "base") {
+    std::string valid;
+    for (const auto& [k, _] : policy_parameters()) valid += (valid.empty() ? "" : ", ") + k;
+    throw PolicyError(where + ": unknown parameter '" + key + "' (valid: " + valid + ")");
   }
-  {
-    auto p = base("window", "sliding window: keep the most recent tokens", "Beltagy et al. 2020 (Longformer); baseline");
-    p.scorer = ScorerKind::kRecency;
-    add(m, p);
-  }
-  {
-    auto p = base("streamingllm", "attention sinks (first 4 tokens) + most recent tokens",
-                  "Xiao et al. 2023, Efficient Streaming Language Models with Attention Sinks");
-    p.scorer = ScorerKind::kRecency;
-    p.sinks = 4;
-    add(m, p);
-  }
-  {
-    auto p = base("h2o", "heavy hitters by accumulated attention (half the budget) + recent tokens (half)",
-                  "Zhang et al. 2023, H2O: Heavy-Hitter Oracle");
-    p.scorer = ScorerKind::kH2O;
-    p.recent_fraction = 0.5f;
-    add(m, p);
-  }
-  {
-    auto p = base("snapkv", "attention of the last 32 prefill queries, max-pooled (kernel 7); window kept",
-                  "Li et al. 2024, SnapKV: LLM Knows What You are Looking for Before Generation");
-    p.scorer = ScorerKind::kSnapKV;
-    p.snapkv = {32, 7, kernels::PoolKind::kMax};
-    p.recent = 32;
-    add(m, p);
-  }
-  {
-    auto p = m["snapkv"];
-    p.name = "pyramidkv";
-    p.description = "SnapKV scores with pyramid layer budgets: shallow layers keep more, deep fewer, same total";
-    p.source = "Cai et al. 2024, PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling";
-    p.allocator = AllocatorKind::kPyramid;
-    add(m, p);
-  }
-  {
-    auto p = base("tova", "attention of the last prefill query", "Oren et al. 2024, Transformers are Multi-State RNNs (TOVA)");
-    p.scorer = ScorerKind::kTOVA;
-    add(m, p);
-  }
-  {
-    auto p = base("knorm", "lowest key L2 norm first", "Devoto et al. 2024, A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression");
-    p.scorer = ScorerKind::kKeyNorm;
-    add(m, p);
-  }
-  {
-    auto p = base("random", "uniformly random tokens (seeded)", "baseline");
-    p.scorer = ScorerKind::kRandom;
-    add(m, p);
-  }
-  {
-    auto p = base("fastv", "from layer 2 on, drop the vision tokens the last query attends to least; text kept",
-                  "Chen et al. 2024, An Image is Worth 1/2 Tokens After Layer 2 (FastV)");
-    p.scorer = ScorerKind::kTOVA;
-    p.allocator = AllocatorKind::kVisionOnly;
-    p.fastv_layer = 2;
-    add(m, p);
-  }
-  {
-    auto p = base("vision-stride", "structured spatial drop: keep an evenly strided patch grid; text kept",
-                  "structured vision token pruning baseline (spatial stride / pooling)");
-    p.scorer = ScorerKind::kVisionStride;
-    p.allocator = AllocatorKind::kVisionOnly;
-    p.fastv_layer = 0;
-    add(m, p);
-  }
-  {
-    auto p = base("hybridkv", "text dense, vision sparse: alpha = 0.5 of the budget reserved for text, SnapKV scores",
-                  "HybridKV-style modality split (design.md); alpha split of the budget");
-    p.scorer = ScorerKind::kSnapKV;
-    p.snapkv = {32, 7, kernels::PoolKind::kMax};
-    p.allocator = AllocatorKind::kHybrid;
-    p.sinks = 4;
-    add(m, p);
-  }
-  {
-    auto p = base("look-m", "SnapKV-scored vision eviction, evicted vision tokens merged into similar kept ones",
-                  "Wan et al. 2024, LOOK-M: Look-Once Optimization in KV Cache for Efficient Multimodal Long-Context Inference");
-    p.scorer = ScorerKind::kSnapKV;
-    p.snapkv = {32, 7, kernels::PoolKind::kMax};
-    p.allocator = AllocatorKind::kVisionOnly;
-    p.fastv_layer = 0;
-    p.executor = ExecutorKind::kMergeEvicted;
-    p.merge_threshold = 0.5f;
-    p.merge_window = 64;
-    add(m, p);
-  }
-  {
-    auto p = base("unicache", "UniCache: head merge, modality-normalised importance, cosine layer schedule, "
-                  "density-driven modality budgets, alignment protection, merge/evict, int8 per head",
-                  "seed 000 (UniCache), design.md Policies");
-    p.head_merge = true;
-    p.scorer = ScorerKind::kUniCache;
-    p.allocator = AllocatorKind::kUniCache;
-    p.executor = ExecutorKind::kUniCache;
-    p.sinks = 4;
-    p.recent = 8;
-    kernels::QuantSpec k, v;
-    quantizer_preset("int8-head", &k, &v);
-    p.key_quant = k;
-    p.value_quant = v;
-    add(m, p);
-    auto lv = p;
-    lv.name = "unicache-long-video";
-    lv.description = "UniCache long-video scene: vision rate 0.75-0.80";
-    lv.source = "seed 000, scene presets";
-    lv.unicache.vision_cap = 0.80f;
-    lv.unicache.rate_shallow = 0.80f;
-    lv.unicache.rate_deep = 0.75f;
-    add(m, lv);
-    auto dq = p;
-    dq.name = "unicache-doc-qa";
-    dq.description = "UniCache document-QA scene: text rate capped at 0.20, alignment discount 0.4";
-    dq.source = "seed 000, scene presets";
-    dq.unicache.text_cap = 0.20f;
-    dq.unicache.align_discount = 0.4f;
-    add(m, dq);
-    auto rc = p;
-    rc.name = "unicache-realtime-chat";
-    rc.description = "UniCache real-time chat scene: head merge threshold 0.85, token rates -5 points";
-    rc.source = "seed 000, scene presets";
-    rc.head_merge_threshold = 0.85f;
-    rc.unicache.rate_offset = -0.05f;
-    add(m, rc);
-    auto ad = p;
-    ad.name = "adaptive";
-    ad.adaptive = true;
-    ad.description = "UniCache with the adaptive fallback: rate in [0.40, 0.75] from input complexity "
-                     "(log V + log T + 2 N_align / (T + V)); ignores the given budget";
-    ad.source = "seed 000, adaptive fallback";
-    add(m, ad);
-  }
-  for (const char* q : {"int8", "int4", "kivi2"}) {
-    auto p = base(q, "", "");
-    p.compress_tokens = false;
-    kernels::QuantSpec k, v;
-    quantizer_preset(q, &k, &v);
-    p.key_quant = k;
-    p.value_quant = v;
-    if (std::string(q) == "int8") {
-      p.description = "int8 symmetric, one scale per token (K and V)";
-      p.source = "standard per-token int8 KV quantization";
-    } else if (std::string(q) == "int4") {
-      p.description = "int4 asymmetric, one scale and zero per group of 32 channels of a token";
-      p.source = "group-wise int4 KV quantization (e.g. FlexGen, KIVI's baseline)";
+  if (key == "description") description = v;
+  else if (key == "scorer") selector(StageKind::kScorer, stages.scorer);
+  else if (key == "allocator") selector(StageKind::kAllocator, stages.allocator);
+  else if (key == "executor") selector(StageKind::kExecutor, stages.executor);
+  else if (key == "head_merge") {
+    const std::string l = lower(v);
+    if (l == "true" || l == "1" || l == "yes" || l == "on") stages.head_merge = "cosine";
+    else if (l == "false" || l == "0" || l == "no" || l == "off") stages.head_merge = "none";
+    else selector(StageKind::kHeadMerge, stages.head_merge);
+  } else if (key == "quant") {
+    selector(StageKind::kQuantizer, stages.quantizer);
+    kernels::QuantSpec k, vq;
+    if (quantizer_preset(v, &k, &vq)) {
+      key_quant = k;
+      value_quant = vq;
     } else {
-      p.description = "KIVI 2-bit: keys per channel, values per token, groups of 32, last 128 tokens full precision";
-      p.source = "Liu et al. 2024, KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache";
+      key_quant.reset();
+      value_quant.reset();
     }
-    add(m, p);
+  } else if (key == "cap") {
+    try {
+      cap = parse_budget(v);
+    } catch (const PolicyError& e) {
+      throw PolicyError(w + ": " + e.what());
+    }
+    if (cap.kind == Budget::Kind::kNone) throw PolicyError(w + ": '" + v + "' is not a budget (0.3, 512tok, 64MiB)");
+  } else {
+    check_value(*d, v, w);
+    if (key == "sinks") sinks = static_cast<int>(std::stod(v));
+    else if (key == "recent") recent = static_cast<int>(std::stod(v));
+    else if (key == "recent_fraction") recent_fraction = static_cast<float>(std::stod(v));
+    else if (key == "shared_heads") shared_heads = parse_bool(v, w);
+    else if (key == "proportional_attention") proportional_attention = parse_bool(v, w);
+    else if (key == "adaptive") adaptive = parse_bool(v, w);
+    else if (key == "mode") mode = v == "decode" ? PolicyMode::kDecode : PolicyMode::kPrefill;
+    else if (key == "interval") interval = static_cast<int>(std::stod(v));
+    else params.set(key, v);  // a stage's parameter
+  }
+  if (stages.scorer != "none") compress_tokens = true;
+}
+
+namespace {
+
+// A preset: a composition of stages with parameters, built through the same parameter path as
+// an INI section (PolicySpec::set), optionally on top of another preset.
+struct Preset {
+  const char* name;
+  const char* base;  // "" or an earlier preset
+  bool tokens;       // compresses tokens (false: full, quantization only)
+  const char* description;
+  const char* source;
+  std::vector<std::pair<const char*, const char*>> params;
+};
+
+const std::vector<Preset>& preset_list() {
+  static const std::vector<Preset> presets = {
+      {"full", "", false, "no compression: every token kept in the trace's dtype", "baseline", {}},
+      {"window", "", true, "sliding window: keep the most recent tokens", "Beltagy et al. 2020 (Longformer); baseline",
+       {{"scorer", "recency"}}},
+      {"streamingllm", "", true, "attention sinks (first 4 tokens) + most recent tokens",
+       "Xiao et al. 2023, Efficient Streaming Language Models with Attention Sinks", {{"scorer", "recency"}, {"sinks", "4"}}},
+      {"h2o", "", true, "heavy hitters by accumulated attention (half the budget) + recent tokens (half)",
+       "Zhang et al. 2023, H2O: Heavy-Hitter Oracle", {{"scorer", "h2o"}, {"recent_fraction", "0.5"}}},
+      {"snapkv", "", true, "attention of the last 32 prefill queries, max-pooled (kernel 7); window kept",
+       "Li et al. 2024, SnapKV: LLM Knows What You are Looking for Before Generation",
+       {{"scorer", "snapkv"}, {"snap_pool", "max"}, {"recent", "32"}}},
+      {"pyramidkv", "snapkv", true, "SnapKV scores with pyramid layer budgets: shallow layers keep more, deep fewer, same total",
+       "Cai et al. 2024, PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling",
+       {{"allocator", "pyramid"}}},
+      {"tova", "", true, "attention of the last prefill query", "Oren et al. 2024, Transformers are Multi-State RNNs (TOVA)",
+       {{"scorer", "tova"}}},
+      {"knorm", "", true, "lowest key L2 norm first",
+       "Devoto et al. 2024, A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression", {{"scorer", "knorm"}}},
+      {"random", "", true, "uniformly random tokens (seeded)", "baseline", {{"scorer", "random"}}},
+      {"fastv", "", true, "from layer 2 on, drop the vision tokens the last query attends to least; text kept",
+       "Chen et al. 2024, An Image is Worth 1/2 Tokens After Layer 2 (FastV)",
+       {{"scorer", "tova"}, {"allocator", "vision-only"}, {"fastv_layer", "2"}}},
+      {"vision-stride", "", true, "structured spatial drop: keep an evenly strided patch grid; text kept",
+       "structured vision token pruning baseline (spatial stride / pooling)",
+       {{"scorer", "vision-stride"}, {"allocator", "vision-only"}, {"fastv_layer", "0"}}},
+      {"hybridkv", "", true, "text dense, vision sparse: alpha = 0.5 of the budget reserved for text, SnapKV scores",
+       "HybridKV-style modality split (design.md); alpha split of the budget",
+       {{"scorer", "snapkv"}, {"snap_pool", "max"}, {"allocator", "hybrid"}, {"sinks", "4"}}},
+      {"look-m", "", true, "SnapKV-scored vision eviction, evicted vision tokens merged into similar kept ones",
+       "Wan et al. 2024, LOOK-M: Look-Once Optimization in KV Cache for Efficient Multimodal Long-Context Inference",
+       {{"scorer", "snapkv"},
+        {"snap_pool", "max"},
+        {"allocator", "vision-only"},
+        {"fastv_layer", "0"},
+        {"executor", "merge-evicted"},
+        {"merge_threshold", "0.5"},
+        {"merge_window", "64"}}},
+      {"unicache", "", true,
+       "UniCache: head merge, modality-normalised importance, cosine layer schedule, "
+       "density-driven modality budgets, alignment protection, merge/evict, int8 per head",
+       "seed 000 (UniCache), design.md Policies",
+       {{"head_merge", "cosine"},
+        {"scorer", "unicache"},
+        {"allocator", "unicache"},
+        {"executor", "unicache"},
+        {"sinks", "4"},
+        {"recent", "8"},
+        {"quant", "int8-head"}}},
+      {"unicache-long-video", "unicache", true, "UniCache long-video scene: vision rate 0.75-0.80",
+       "seed 000, scene presets",
+       {{"unicache.vision_cap", "0.80"}, {"unicache.rate_shallow", "0.80"}, {"unicache.rate_deep", "0.75"}}},
+      {"unicache-doc-qa", "unicache", true, "UniCache document-QA scene: text rate capped at 0.20, alignment discount 0.4",
+       "seed 000, scene presets", {{"unicache.text_cap", "0.20"}, {"unicache.align_discount", "0.4"}}},
+      {"unicache-realtime-chat", "unicache", true,
+       "UniCache real-time chat scene: head merge threshold 0.85, token rates -5 points", "seed 000, scene presets",
+       {{"head_merge_threshold", "0.85"}, {"unicache.rate_offset", "-0.05"}}},
+      {"adaptive", "unicache", true,
+       "UniCache with the adaptive fallback: rate in [0.40, 0.75] from input complexity "
+       "(log V + log T + 2 N_align / (T + V)); ignores the given budget",
+       "seed 000, adaptive fallback", {{"adaptive", "true"}}},
+      {"int8", "", false, "int8 symmetric, one scale per token (K and V)", "standard per-token int8 KV quantization",
+       {{"quant", "int8"}}},
+      {"int4", "", false, "int4 asymmetric, one scale and zero per group of 32 channels of a token",
+       "group-wise int4 KV quantization (e.g. FlexGen, KIVI's baseline)", {{"quant", "int4"}}},
+      {"kivi2", "", false, "KIVI 2-bit: keys per channel, values per token, groups of 32, last 128 tokens full precision",
+       "Liu et al. 2024, KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", {{"quant", "kivi2"}}},
+  };
+  return presets;
+}
+
+}  // namespace
+
+PolicyRegistry::PolicyRegistry() {
+  for (const Preset& d : preset_list()) {
+    PolicySpec p = *d.base ? specs_.at(d.base) : PolicySpec{};
+    for (const auto& [k, v] : d.params) p.set(k, v, std::string("preset ") + d.name);
+    p.compress_tokens = d.tokens;
+    p.name = d.name;
+    p.description = d.description;
+    p.source = d.source;
+    specs_[p.name] = std::move(p);
+  }
+  // Scorers that declare a preset of their own name (StageInfo::preset).
+  for (const StageInfo* i : stage_infos(StageKind::kScorer)) {
+    if (!i->preset || specs_.count(i->name)) continue;
+    PolicySpec p;
+    p.set("scorer", i->name, "preset " + i->name);
+    p.name = i->name;
+    p.description = i->meaning;
+    p.source = i->source;
+    specs_[p.name] = std::move(p);
   }
 }
 
@@ -260,11 +362,13 @@ PolicySpec PolicyRegistry::get(const std::string& raw) const {
     const std::string q = name.substr(plus + 1);
     kernels::QuantSpec k, v;
     if (!quantizer_preset(q, &k, &v)) {
-      throw PolicyError("unknown quantizer '" + q + "' in '" + name + "' (valid: int8, int8-head, int4, kivi2)");
+      std::string valid;
+      for (const auto* i : stage_infos(StageKind::kQuantizer))
+        if (i->name != "none") valid += (valid.empty() ? "" : ", ") + i->name;
+      throw PolicyError("unknown quantizer '" + q + "' in '" + name + "' (valid: " + valid + ")");
     }
     // "+Q" sets the quantizer (replacing one the base policy may have, e.g. unicache's int8).
-    p.key_quant = k;
-    p.value_quant = v;
+    p.set("quant", q, "'" + name + "'");
     p.name = name;
     return p;
   }
@@ -279,173 +383,6 @@ PolicySpec PolicyRegistry::get(const std::string& raw) const {
   if (it == specs_.end()) throw PolicyError("unknown policy '" + name + "' (valid: " + list() + ")");
   return it->second;
 }
-
-const std::vector<std::pair<std::string, std::string>>& policy_parameters() {
-  static const std::vector<std::pair<std::string, std::string>> p = {
-      {"base", "preset (or composition) the policy starts from"},
-      {"description", "one-line description"},
-      {"sinks", "first N tokens always kept"},
-      {"recent", "last N tokens always kept"},
-      {"recent_fraction", "share of the budget given to the most recent tokens (0..1)"},
-      {"shared_heads", "true: one kept set for all kv heads of a layer"},
-      {"scorer", "none, recency, h2o, snapkv, tova, knorm, random, vision-stride, unicache"},
-      {"allocator", "uniform, pyramid, hybrid, vision-only, unicache"},
-      {"executor", "evict, merge-evicted, unicache"},
-      {"snap_window", "SnapKV observation window (queries)"},
-      {"snap_kernel", "SnapKV pooling kernel (odd)"},
-      {"snap_pool", "avg or max"},
-      {"fastv_layer", "layers before this keep everything (vision-only allocator)"},
-      {"hybrid_text_share", "share of the budget reserved for text (hybrid allocator)"},
-      {"pyramid_spread", "pyramid allocator: budget_l = b (1 + spread (1 - 2 l / (L - 1)))"},
-      {"merge_threshold", "cosine above which an evicted token is merged (merge-evicted executor)"},
-      {"merge_window", "positions within which tokens may merge"},
-      {"head_merge", "true: merge kv heads whose key cosine exceeds head_merge_threshold"},
-      {"head_merge_threshold", "cosine threshold of head merging (0.85 - 0.92)"},
-      {"quant", "none, int8, int8-head, int4, kivi2"},
-      {"proportional_attention", "add log n to the logits of merged slots"},
-      {"adaptive", "true: rate from input complexity, the budget is ignored"},
-      {"seed", "seed of the random scorer"},
-      {"mode", "prefill (compress once after prefill) or decode (evict during the decode steps)"},
-      {"cap", "decode mode: cache cap, a budget (0.3, 512tok, 64MiB); unset = the point's budget"},
-      {"interval", "decode mode: decode steps between evictions (whole number >= 1)"},
-      {"unicache.w_a", "UniCache attention weight"},
-      {"unicache.w_c", "UniCache cross-modal weight"},
-      {"unicache.w_d", "UniCache redundancy weight"},
-      {"unicache.w_r", "UniCache recency weight"},
-      {"unicache.rate_shallow", "compression rate of the first layer"},
-      {"unicache.rate_deep", "compression rate of the last layer"},
-      {"unicache.vision_cap", "maximum vision compression rate"},
-      {"unicache.text_cap", "maximum text compression rate"},
-      {"unicache.align_threshold", "cross-modal share that makes an alignment token"},
-      {"unicache.align_discount", "fraction of the rate applied to alignment tokens"},
-      {"unicache.merge_threshold", "redundancy above which dropped tokens merge"},
-  };
-  return p;
-}
-
-namespace {
-
-bool parse_bool(const std::string& v, const std::string& where) {
-  const std::string l = lower(v);
-  if (l == "true" || l == "1" || l == "yes" || l == "on") return true;
-  if (l == "false" || l == "0" || l == "no" || l == "off") return false;
-  throw PolicyError(where + ": '" + v + "' is not a boolean (true/false)");
-}
-
-double parse_number(const std::string& v, const std::string& where, double lo, double hi) {
-  std::size_t used = 0;
-  double x = 0;
-  try {
-    x = std::stod(v, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used != v.size() || !std::isfinite(x)) throw PolicyError(where + ": '" + v + "' is not a number");
-  if (x < lo || x > hi) {
-    std::ostringstream o;
-    o << where << ": " << v << " is outside [" << lo << ", " << hi << "]";
-    throw PolicyError(o.str());
-  }
-  return x;
-}
-
-template <typename E>
-E parse_enum(const std::string& v, const std::string& where, std::initializer_list<std::pair<const char*, E>> opts) {
-  std::string valid;
-  for (const auto& [n, e] : opts) {
-    if (v == n) return e;
-    valid += (valid.empty() ? "" : ", ") + std::string(n);
-  }
-  throw PolicyError(where + ": '" + v + "' is not one of " + valid);
-}
-
-void apply_parameter(PolicySpec& p, const std::string& key, const std::string& v, const std::string& where) {
-  const std::string w = where + ": " + key;
-  auto num = [&](double lo, double hi) { return parse_number(v, w, lo, hi); };
-  // Counts must be whole numbers: "sinks = 2.7" is a mistake, not 2.
-  auto whole = [&](double lo, double hi) {
-    const double x = parse_number(v, w, lo, hi);
-    if (x != std::floor(x)) throw PolicyError(w + ": '" + v + "' is not a whole number");
-    return x;
-  };
-  if (key == "description") p.description = v;
-  else if (key == "sinks") p.sinks = static_cast<int>(whole(0, 1e6));
-  else if (key == "recent") p.recent = static_cast<int>(whole(0, 1e6));
-  else if (key == "recent_fraction") p.recent_fraction = static_cast<float>(num(0, 1));
-  else if (key == "shared_heads") p.shared_heads = parse_bool(v, w);
-  else if (key == "scorer")
-    p.scorer = parse_enum<ScorerKind>(v, w, {{"none", ScorerKind::kNone}, {"recency", ScorerKind::kRecency},
-                                             {"h2o", ScorerKind::kH2O}, {"snapkv", ScorerKind::kSnapKV},
-                                             {"tova", ScorerKind::kTOVA}, {"knorm", ScorerKind::kKeyNorm},
-                                             {"random", ScorerKind::kRandom},
-                                             {"vision-stride", ScorerKind::kVisionStride},
-                                             {"unicache", ScorerKind::kUniCache}});
-  else if (key == "allocator")
-    p.allocator = parse_enum<AllocatorKind>(v, w, {{"uniform", AllocatorKind::kUniform},
-                                                   {"pyramid", AllocatorKind::kPyramid},
-                                                   {"hybrid", AllocatorKind::kHybrid},
-                                                   {"vision-only", AllocatorKind::kVisionOnly},
-                                                   {"unicache", AllocatorKind::kUniCache}});
-  else if (key == "executor")
-    p.executor = parse_enum<ExecutorKind>(v, w, {{"evict", ExecutorKind::kEvict},
-                                                 {"merge-evicted", ExecutorKind::kMergeEvicted},
-                                                 {"unicache", ExecutorKind::kUniCache}});
-  else if (key == "snap_window") p.snapkv.window = static_cast<int>(whole(1, 1e6));
-  else if (key == "snap_kernel") {
-    p.snapkv.kernel_size = static_cast<int>(whole(1, 1001));
-    if (p.snapkv.kernel_size % 2 == 0) throw PolicyError(w + ": must be odd");
-  } else if (key == "snap_pool")
-    p.snapkv.pool = parse_enum<kernels::PoolKind>(v, w, {{"avg", kernels::PoolKind::kAvg}, {"max", kernels::PoolKind::kMax}});
-  else if (key == "fastv_layer") p.fastv_layer = static_cast<int>(whole(0, 1e6));
-  else if (key == "hybrid_text_share") p.hybrid_text_share = static_cast<float>(num(0, 1));
-  else if (key == "pyramid_spread") p.pyramid_spread = static_cast<float>(num(0, 1));
-  else if (key == "merge_threshold") p.merge_threshold = static_cast<float>(num(-1, 1));
-  else if (key == "merge_window") p.merge_window = static_cast<int>(whole(0, 1e6));
-  else if (key == "head_merge") p.head_merge = parse_bool(v, w);
-  else if (key == "head_merge_threshold") p.head_merge_threshold = static_cast<float>(num(-1, 1));
-  else if (key == "quant") {
-    if (v == "none") {
-      p.key_quant.reset();
-      p.value_quant.reset();
-    } else {
-      kernels::QuantSpec k, vq;
-      if (!quantizer_preset(v, &k, &vq)) throw PolicyError(w + ": '" + v + "' is not one of none, int8, int8-head, int4, kivi2");
-      p.key_quant = k;
-      p.value_quant = vq;
-    }
-  } else if (key == "proportional_attention") p.proportional_attention = parse_bool(v, w);
-  else if (key == "adaptive") p.adaptive = parse_bool(v, w);
-  else if (key == "seed") p.seed = static_cast<std::uint64_t>(whole(0, 1.8e19));
-  else if (key == "mode")
-    p.mode = parse_enum<PolicyMode>(v, w, {{"prefill", PolicyMode::kPrefill}, {"decode", PolicyMode::kDecode}});
-  else if (key == "cap") {
-    try {
-      p.cap = parse_budget(v);
-    } catch (const PolicyError& e) {
-      throw PolicyError(w + ": " + e.what());
-    }
-    if (p.cap.kind == Budget::Kind::kNone) throw PolicyError(w + ": '" + v + "' is not a budget (0.3, 512tok, 64MiB)");
-  } else if (key == "interval") p.interval = static_cast<int>(whole(1, 1e6));
-  else if (key == "unicache.w_a") p.unicache.w_a = static_cast<float>(num(0, 10));
-  else if (key == "unicache.w_c") p.unicache.w_c = static_cast<float>(num(0, 10));
-  else if (key == "unicache.w_d") p.unicache.w_d = static_cast<float>(num(0, 10));
-  else if (key == "unicache.w_r") p.unicache.w_r = static_cast<float>(num(0, 10));
-  else if (key == "unicache.rate_shallow") p.unicache.rate_shallow = static_cast<float>(num(0, 0.99));
-  else if (key == "unicache.rate_deep") p.unicache.rate_deep = static_cast<float>(num(0, 0.99));
-  else if (key == "unicache.vision_cap") p.unicache.vision_cap = static_cast<float>(num(0, 0.99));
-  else if (key == "unicache.text_cap") p.unicache.text_cap = static_cast<float>(num(0, 0.99));
-  else if (key == "unicache.align_threshold") p.unicache.align_threshold = static_cast<float>(num(0, 1));
-  else if (key == "unicache.align_discount") p.unicache.align_discount = static_cast<float>(num(0, 1));
-  else if (key == "unicache.merge_threshold") p.unicache.merge_threshold = static_cast<float>(num(-1, 1));
-  else {
-    std::string valid;
-    for (const auto& [k, _] : policy_parameters()) valid += (valid.empty() ? "" : ", ") + k;
-    throw PolicyError(where + ": unknown parameter '" + key + "' (valid: " + valid + ")");
-  }
-  if (p.scorer != ScorerKind::kNone) p.compress_tokens = true;
-}
-
-}  // namespace
 
 void PolicyRegistry::load_ini(const std::string& path) {
   std::error_code ec;
@@ -513,7 +450,7 @@ void PolicyRegistry::load_ini(const std::string& path) {
     p.name = sec.name;
     p.source = "policy file " + path + " (base " + base_name + ")";
     for (const auto& [k, v, ln] : sec.kv) {
-      if (k != "base") apply_parameter(p, k, v, path + ":" + std::to_string(ln));
+      if (k != "base") p.set(k, v, path + ":" + std::to_string(ln));
     }
     if (p.mode == PolicyMode::kDecode) check_decode_support(p, where + ": [policy " + sec.name + "]");
     if (p.mode == PolicyMode::kPrefill && (p.cap.kind != Budget::Kind::kNone || p.interval != 1)) {
@@ -525,17 +462,47 @@ void PolicyRegistry::load_ini(const std::string& path) {
 
 void check_decode_support(const PolicySpec& p, const std::string& where) {
   std::string bad;
+  const std::pair<StageKind, const std::string*> used[] = {{StageKind::kHeadMerge, &p.stages.head_merge},
+                                                           {StageKind::kScorer, &p.stages.scorer},
+                                                           {StageKind::kAllocator, &p.stages.allocator},
+                                                           {StageKind::kExecutor, &p.stages.executor},
+                                                           {StageKind::kQuantizer, &p.stages.quantizer}};
   if (!p.compress_tokens) bad = "it does not evict tokens (decode mode needs a token scorer)";
   else if (p.adaptive) bad = "adaptive budgets";
-  else if (p.head_merge) bad = "head merging";
-  else if (p.executor != ExecutorKind::kEvict) bad = "a merging executor";
-  else if (p.allocator != AllocatorKind::kUniform && p.allocator != AllocatorKind::kPyramid) bad = "its budget allocator";
-  else if (p.scorer == ScorerKind::kVisionStride || p.scorer == ScorerKind::kUniCache) bad = "its scorer";
-  if (!bad.empty()) {
-    throw PolicyError(where + ": decode mode does not support " + bad +
-                      "; it supports scorers none, recency, h2o, snapkv, tova, knorm, random with the uniform or "
-                      "pyramid allocator, the evict executor and any quantizer (e.g. h2o~decode, snapkv+int8~decode)");
+  else {
+    for (const auto& [kind, name] : used) {
+      const StageInfo* info = find_stage_info(kind, *name);
+      if (info && !info->decode) {
+        bad = std::string("its ") + stage_kind_name(kind) + " '" + *name + "'";
+        break;
+      }
+    }
   }
+  if (bad.empty()) return;
+  auto supported = [](StageKind k) {
+    std::vector<std::string> n;
+    for (const auto* i : stage_infos(k))
+      if (i->decode) n.push_back(i->name);
+    return n;
+  };
+  auto words = [](const std::vector<std::string>& n, const char* sep) {
+    std::string s;
+    for (std::size_t i = 0; i < n.size(); ++i) s += (i == 0 ? "" : (i + 1 == n.size() ? sep : ", ")) + n[i];
+    return s;
+  };
+  const std::vector<std::string> quant = supported(StageKind::kQuantizer);
+  const bool every_quantizer = quant.size() == stage_infos(StageKind::kQuantizer).size();
+  throw PolicyError(where + ": decode mode does not support " + bad + "; it supports scorers " +
+                    join(supported(StageKind::kScorer)) + " with the " + words(supported(StageKind::kAllocator), " or ") +
+                    " allocator, the " + words(supported(StageKind::kExecutor), " or ") + " executor and " +
+                    (every_quantizer ? std::string("any quantizer") : "the quantizers " + join(quant)) +
+                    " (e.g. h2o~decode, snapkv+int8~decode)");
+}
+
+bool policy_needs_budget(const PolicySpec& p) {
+  if (!p.compress_tokens || p.adaptive) return false;
+  if (p.mode == PolicyMode::kDecode && p.cap.kind != Budget::Kind::kNone) return false;
+  return !stages::allocator_of(p).own_schedule();
 }
 
 Budget parse_budget(const std::string& raw) {

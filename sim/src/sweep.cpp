@@ -200,11 +200,10 @@ using OracleCurves = std::vector<std::array<std::vector<CurvePoint>, kModalities
 PolicySpec oracle_policy(const OracleOptions& o, const TraceContext& ctx) {
   PolicySpec p = o.scorer;
   p.name = "oracle-" + o.scorer.name;
-  p.allocator = AllocatorKind::kExplicit;
-  p.key_quant.reset();
-  p.value_quant.reset();
+  p.stages.allocator = "explicit";
+  p.set("quant", "none");
   p.adaptive = false;
-  p.head_merge = false;
+  p.stages.head_merge = "none";
   p.compress_tokens = true;
   // Sinks and an absolute recent window stay forced; a recent window proportional to the budget
   // would couple the modalities' budgets and break the additivity the greedy search assumes.

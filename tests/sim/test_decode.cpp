@@ -182,7 +182,7 @@ TEST(Decode, BadSyntaxIsRejectedWithTheValidForm) {
       EXPECT_NE(std::string(e.what()).find("NAME~decode:INTERVAL"), std::string::npos) << e.what();
     }
   }
-  for (const char* unsupported : {"unicache~decode", "look-m~decode", "int8~decode", "adaptive-h2o~decode"}) {
+  for (const char* unsupported : {"unicache~decode", "vision-stride~decode", "int8~decode", "adaptive-h2o~decode"}) {
     try {
       reg.get(unsupported);
       ADD_FAILURE() << unsupported << " accepted";

@@ -10,6 +10,7 @@
 #include "plan_command.hpp"
 #include "sweep_command.hpp"
 #include "kvscope/sim/report.hpp"
+#include "kvscope/sim/stages.hpp"
 #include "kvscope/trace/untrusted.hpp"
 
 namespace po = boost::program_options;
@@ -27,7 +28,9 @@ void print_usage(std::ostream& os) {
         "  info       summarise a trace: geometry, tokens per modality and segment, KV bytes per layer/modality\n"
         "  run        replay a trace through one policy: memory and quality per layer, head and modality\n"
         "  sweep      replay a trace through many policies x budgets: table, Pareto front, collapse flags\n"
-        "  plan       capacity planner: KV bytes per token/request, concurrent requests and context that fit\n\n"
+        "  plan       capacity planner: KV bytes per token/request, concurrent requests and context that fit\n"
+        "  stages     list the policy stages (head merge, scorer, allocator, executor, quantizer) with their\n"
+        "             parameters; --markdown prints the tables of docs/policies.md\n\n"
         "Run 'kvsim <command> --help' for the options of a command.\n"
         "Input traces are parsed first in an isolated child process (10 s per object, 1 GiB), so a\n"
         "corrupt file gives one line and exit 2; --trusted-files (info, run, sweep, plan) or\n"
@@ -59,6 +62,29 @@ int cmd_info(const std::vector<std::string>& args) {
   return kExitOk;
 }
 
+int cmd_stages(const std::vector<std::string>& args) {
+  po::options_description opts(
+      "kvsim stages [--markdown]\n\n"
+      "Lists every policy stage method by kind with its parameters (type, default, range, meaning),\n"
+      "whether it works in decode-time mode (~decode), and the pipeline's own parameters: the keys a\n"
+      "[policy NAME] section of --policy-file may set. All of it comes from the stages' declarations.\n\nOptions");
+  opts.add_options()("help,h", "show this help")("markdown", "print the parameter tables of docs/policies.md");
+  po::variables_map vm;
+  try {
+    po::store(po::command_line_parser(args).options(opts).run(), vm);
+    po::notify(vm);
+  } catch (const po::error& e) {
+    std::cerr << "kvsim stages: " << e.what() << " (see kvsim stages --help)\n";
+    return kExitError;
+  }
+  if (vm.count("help")) {
+    std::cout << opts;
+    return kExitOk;
+  }
+  std::cout << (vm.count("markdown") ? sim::stage_tables_markdown() : sim::stage_listing_text());
+  return kExitOk;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -77,10 +103,11 @@ int main(int argc, char** argv) {
     }
     if (cmd == "info") return cmd_info(rest);
     if (cmd == "plan") return kvscope::tools::run_plan_command(rest);
+    if (cmd == "stages") return cmd_stages(rest);
     if (cmd == "run" || cmd == "sweep") {
       return sim::run_sweep_command(cmd, rest, sim::command_line_string(argc, argv));
     }
-    std::cerr << "kvsim: unknown command '" << cmd << "' (valid: info, run, sweep, plan; see kvsim --help)\n";
+    std::cerr << "kvsim: unknown command '" << cmd << "' (valid: info, run, sweep, plan, stages; see kvsim --help)\n";
     return kExitError;
   } catch (const std::exception& e) {
     std::cerr << "kvsim " << cmd << ": " << e.what() << "\n";

@@ -15,6 +15,7 @@
 #include "kvscope/sim/info.hpp"
 #include "kvscope/sim/pareto.hpp"
 #include "kvscope/sim/report.hpp"
+#include "kvscope/sim/stages.hpp"
 #include "kvscope/sim/sweep.hpp"
 #include "kvscope/trace/untrusted.hpp"
 
@@ -55,9 +56,11 @@ std::string policy_help(const PolicyRegistry& reg) {
        "  adaptive-A              policy A with the complexity-driven rate in [0.40, 0.75]\n"
        "  A~decode[:N]            decode-time mode: the cache starts full, every decode step appends its token and\n"
        "                          every N steps (default 1) A evicts down to the budget, now a cap (h2o~decode:4@0.3);\n"
-       "                          scorers none/recency, h2o, snapkv, tova, knorm, random; uniform or pyramid budgets\n"
+       "                          stages marked [~decode] below work in decode mode\n"
        "Budgets: a fraction of context tokens kept per layer and head (0.3), tokens (512tok) or total\n"
-       "bytes over all layers (64MiB, 1.5GB). Quantization-only policies and adaptive ignore budgets.\n";
+       "bytes over all layers (64MiB, 1.5GB). Quantization-only policies and adaptive ignore budgets.\n"
+       "--policy-file FILE: [policy NAME] sections, 'base = PRESET', then 'key = value' for the keys below.\n";
+  o << stage_listing_text();
   return o.str();
 }
 
@@ -152,8 +155,7 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
       auto [pname, budget] = split_policy_budget(vm["policy"].as<std::string>());
       PolicySpec p = registry.get(pname);
       const bool uses_budget = p.compress_tokens && !p.adaptive;
-      const bool fixed_cap = p.mode == PolicyMode::kDecode && p.cap.kind != Budget::Kind::kNone;
-      if (budget.kind == Budget::Kind::kNone && uses_budget && p.allocator != AllocatorKind::kUniCache && !fixed_cap) {
+      if (budget.kind == Budget::Kind::kNone && policy_needs_budget(p)) {
         throw PolicyError("'" + pname + "' needs a budget, e.g. " + pname + "@0.3 (fraction kept), " + pname +
                           "@512tok or " + pname + "@64MiB");
       }

@@ -267,7 +267,7 @@ std::int64_t ClosedLoopHook::held_bytes(const runner::KvCache& cache) const {
       } else {
         total += 2 * context * D * elem;
       }
-      const bool merged = policy_.compress_tokens && policy_.executor != sim::ExecutorKind::kEvict &&
+      const bool merged = policy_.compress_tokens && policy_.stages.executor != "evict" &&
                           context < context_tokens_;
       if (merged) total += 4 * context;
     }

@@ -5,6 +5,7 @@
 // policy of a sweep.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -117,6 +118,13 @@ class LayerData {
   };
   const MergedHeads& merged_heads(float threshold);
 
+  // A statistic that a stage defines itself (sim/src/stages/), computed once per layer under `key`
+  // by compute(*this) and shared by every point. With reads_prefill, compute reads the trace's
+  // prefill tensors (prefill()), so it must first run before release_prefill(): from the stage's
+  // prepare_prefill. Like the other statistics, not thread-safe to fill, only to read.
+  const std::vector<float>& stage_statistic(const std::string& key, bool reads_prefill,
+                                            const std::function<std::vector<float>(LayerData&)>& compute);
+
   // Drops the trace's prefill tensors once every statistic the points need from them is
   // computed (prepare() or prepare_prefill_statistics()): afterwards only the float32 copy
   // (k_all / v_all, built here if it was not yet, dropping each trace tensor once converted) and
@@ -146,6 +154,7 @@ class LayerData {
   bool have_similarity_ = false;
   bool prefill_released_ = false;
   std::map<float, MergedHeads> merged_;
+  std::map<std::string, std::vector<float>> stage_stats_;
   void require_prefill(const char* what) const;
   // Trace tensors [Hkv, T, D] and [Hkv, S, D] -> float32 [Hkv, T + S, D] (k_all's layout).
   void fill_all(const trace::Tensor& prefill, const trace::Tensor& decode, std::vector<float>& out) const;
@@ -164,6 +173,26 @@ Bytes resident_bytes(const PolicySpec& policy, int K, int D, trace::DType dtype)
 LayerResult run_decode_policy_on_layer(const PolicySpec& policy, double prefill_keep, double cap_keep,
                                        LayerData& layer, TraceContext& ctx, std::vector<std::string>& warnings,
                                        bool record_tokens = false);
+
+// The UniCache stages' parameters, typed (sim/src/stages/*/unicache.cpp read them from
+// PolicySpec::params; the defaults are the declared ones).
+struct UniCacheConfig {
+  float w_a = 0.4f, w_c = 0.3f, w_d = 0.2f, w_r = 0.1f;  // middle layers
+  float shallow_w_d = 0.3f;   // first third of the layers
+  float deep_w_a = 0.5f;      // last third of the layers
+  float rate_shallow = 0.75f; // compression rate (fraction removed) of layer 0
+  float rate_deep = 0.45f;    // ... of the last layer, cosine curve in between
+  float vision_cap = 0.80f;   // maximum vision compression rate
+  float text_cap = 0.40f;     // maximum text compression rate
+  float align_threshold = 0.3f;  // cross-modal attention share that makes a token an alignment token
+  float align_discount = 0.5f;   // alignment tokens get this fraction of their modality's rate
+  float merge_threshold = 0.8f;  // redundancy above which a dropped token is merged, not evicted
+  int seq_radius = 4;         // redundancy neighbours in sequence order
+  int grid_radius = 1;        // redundancy neighbours on the patch grid
+  float rate_offset = 0.0f;   // added to every token rate (realtime-chat: -0.05)
+};
+// The UniCache parameters of a policy (its params over the declared defaults).
+UniCacheConfig unicache_config(const PolicySpec& policy);
 
 // UniCache layer schedule: compression rate (fraction removed) of a layer on a cosine
 // curve from cfg.rate_shallow (layer 0) to cfg.rate_deep (last layer), plus cfg.rate_offset.
@@ -190,6 +219,28 @@ struct CompressedLayer {
   std::vector<std::int32_t> cluster;  // [Hkv] working head of each kv head
   std::vector<Head> heads;            // [Hw]
 };
+
+// The selection half of a prefill-mode run on one layer: head merge -> scores -> budgets ->
+// kept (and, for a merging executor, merge weights) per working head. Plain data, so that the
+// execution half can be run on it (or on several budgets of one ranking).
+struct LayerSelection {
+  int working_heads = 0;                  // Hw (kv heads after head merging)
+  bool head_merged = false;               // the head-merge stage ran (index bytes are counted)
+  std::vector<std::int32_t> cluster;      // [Hkv] working head of each kv head
+  std::vector<const float*> keys, values; // [Hw] context rows [T, D] float32 of each working head
+  bool keep_all = true;                   // every context token kept (no scorer ran)
+  int k = 0;                              // row stride of `kept` (the layer's budget in tokens)
+  std::vector<std::int32_t> kept;         // [Hw, k] kept token ids, ascending; counts[w] valid
+  std::vector<std::int32_t> counts;       // [Hw] tokens kept by each working head
+  std::vector<float> scores;              // [Hw, T] the scorer's scores (empty when keep_all)
+  std::vector<float> importance;          // [Hw, T] merge weights >= 0 (merging executors only)
+};
+LayerSelection select_on_layer(const PolicySpec& policy, double keep, LayerData& layer, TraceContext& ctx,
+                               std::vector<std::string>& warnings);
+// The execution half: keep / merge (executor) -> quantize (quantizer) -> bytes -> quality on the
+// evaluation queries. run_policy_on_layer = select_on_layer + execute_selection.
+LayerResult execute_selection(const PolicySpec& policy, const LayerSelection& selection, LayerData& layer,
+                              TraceContext& ctx, bool record_tokens = false, CompressedLayer* compressed = nullptr);
 
 // Runs `policy` with a mean keep fraction on one layer. Warnings (e.g. a budget
 // clamped up to the forced set) are appended to `warnings`.

@@ -1,8 +1,9 @@
-// Compression policies as pipelines of stages:
+// Compression policies as compositions of stages:
 //   head merge -> scorer -> budget allocator (layer x modality) -> executor
 //   (keep / merge / evict, sinks and recent window forced) -> quantizer.
-// Named presets (docs/policies.md), compositions "a+b" and INI files build a
-// PolicySpec; budgets are fractions of tokens ("0.3"), tokens ("512tok") or
+// Each stage method is one file under sim/src/stages/ that declares its parameters
+// (kvscope/sim/stages.hpp). Named presets (docs/policies.md), compositions "a+b" and INI
+// files build a PolicySpec; budgets are fractions of tokens ("0.3"), tokens ("512tok") or
 // bytes ("64MiB").
 #pragma once
 
@@ -26,33 +27,6 @@ class PolicyError : public std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
-enum class ScorerKind {
-  kNone,          // keeps everything (full, quantization-only)
-  kRecency,       // newest tokens first (window, streamingllm)
-  kH2O,           // accumulated attention over all prefill queries
-  kSnapKV,        // observation-window attention, pooled
-  kTOVA,          // attention of the last prefill query
-  kKeyNorm,       // lowest key norm first
-  kRandom,        // seeded uniform
-  kVisionStride,  // structured spatial drop: coarsest patch grid first
-  kUniCache,      // s = w_a a~ + w_c c~ - w_d d + w_r r
-};
-
-enum class AllocatorKind {
-  kUniform,   // every layer keeps the budget fraction of every head
-  kPyramid,   // PyramidKV: more tokens in shallow layers, fewer in deep ones, same total
-  kHybrid,    // HybridKV: text dense (a share alpha of the budget), vision sparse
-  kVisionOnly,// FastV / vision-stride / LOOK-M: text, audio and special tokens all kept, budget spent on vision
-  kUniCache,  // cosine layer schedule + density-driven cross-modal split with caps
-  kExplicit,  // per-layer x per-modality keep fractions given in PolicySpec::layer_modality_keep (oracle)
-};
-
-enum class ExecutorKind {
-  kEvict,         // drop what is not selected
-  kMergeEvicted,  // LOOK-M: fold evicted tokens into the most similar kept one
-  kUniCache,      // redundancy d > merge threshold -> merge, else evict
-};
-
 // Budget of an eviction/merge stage.
 struct Budget {
   enum class Kind { kNone, kFraction, kTokens, kBytes };
@@ -65,46 +39,51 @@ struct Budget {
 // (docs/policies.md "Decode-time mode").
 enum class PolicyMode { kPrefill, kDecode };
 
-struct UniCacheConfig {
-  float w_a = 0.4f, w_c = 0.3f, w_d = 0.2f, w_r = 0.1f;  // middle layers
-  float shallow_w_d = 0.3f;   // first third of the layers
-  float deep_w_a = 0.5f;      // last third of the layers
-  float rate_shallow = 0.75f; // compression rate (fraction removed) of layer 0
-  float rate_deep = 0.45f;    // ... of the last layer, cosine curve in between
-  float vision_cap = 0.80f;   // maximum vision compression rate
-  float text_cap = 0.40f;     // maximum text compression rate
-  float align_threshold = 0.3f;  // cross-modal attention share that makes a token an alignment token
-  float align_discount = 0.5f;   // alignment tokens get this fraction of their modality's rate
-  float merge_threshold = 0.8f;  // redundancy above which a dropped token is merged, not evicted
-  int seq_radius = 4;         // redundancy neighbours in sequence order
-  int grid_radius = 1;        // redundancy neighbours on the patch grid
-  float rate_offset = 0.0f;   // added to every token rate (realtime-chat: -0.05)
+// The parameter values a policy's stages read, by parameter name (the names the stages declare,
+// sim/include/kvscope/sim/stages.hpp). A value not set here is the declaration's default.
+// Values are kept as written (validated when set), so printing a policy shows what was asked.
+class StageParams {
+ public:
+  void set(const std::string& key, const std::string& value) { values_[key] = value; }
+  bool has(const std::string& key) const { return values_.count(key) != 0; }
+  // The value as written, or the declared default. Throws std::logic_error for an undeclared key.
+  std::string text(const std::string& key) const;
+  double number(const std::string& key) const;
+  float real(const std::string& key) const { return static_cast<float>(number(key)); }
+  int integer(const std::string& key) const { return static_cast<int>(number(key)); }
+  bool flag(const std::string& key) const;
+  const std::map<std::string, std::string>& values() const { return values_; }
+
+ private:
+  std::map<std::string, std::string> values_;
 };
 
+// The stages a policy is composed of, by registered name (kvsim stages lists them).
+struct StageNames {
+  std::string head_merge = "none";  // none, cosine
+  std::string scorer = "none";
+  std::string allocator = "uniform";
+  std::string executor = "evict";
+  std::string quantizer = "none";
+};
+
+// A policy: a composition of named stages with their parameters, plus the pipeline's own
+// parameters (forced set, evaluation, mode). Presets are compositions too (docs/policies.md).
 struct PolicySpec {
   std::string name;  // canonical name, e.g. "h2o+int8"
-  bool compress_tokens = true;
+  bool compress_tokens = true;   // false: every token kept (full, quantization only)
   bool adaptive = false;  // budget from input complexity (rate in [0.40, 0.75]), ignores the given budget
-  bool head_merge = false;
-  float head_merge_threshold = 0.88f;
-  ScorerKind scorer = ScorerKind::kNone;
-  AllocatorKind allocator = AllocatorKind::kUniform;
-  ExecutorKind executor = ExecutorKind::kEvict;
+  StageNames stages;
+  StageParams params;            // parameters of the stages (snap_window, pyramid_spread, unicache.w_a, ...)
   int sinks = 0;                 // first tokens always kept
   int recent = 0;                // last tokens always kept (absolute)
   float recent_fraction = 0.0f;  // share of the budget given to the most recent tokens (H2O: 0.5)
   bool shared_heads = false;     // one kept set for all kv heads of a layer
-  kernels::SnapKVParams snapkv{};
-  int fastv_layer = 2;           // FastV: layers before this keep everything
-  float hybrid_text_share = 0.5f;
-  float pyramid_spread = 0.5f;   // PyramidKV: budget of layer l = b * (1 + spread * (1 - 2 l / (L - 1)))
-  float merge_threshold = 0.8f;  // LOOK-M
-  int merge_window = 8;          // LOOK-M / UniCache merge window (positions)
-  UniCacheConfig unicache;
+  // The quantizer stage's (key, value) specs; both empty: no quantization. reset() both to run a
+  // policy without its quantizer.
   std::optional<kernels::QuantSpec> key_quant, value_quant;
   bool proportional_attention = true;
-  std::uint64_t seed = 0;
-  // kExplicit allocator: keep fraction of each modality's tokens, per layer ([num_layers][4]).
+  // "explicit" allocator: keep fraction of each modality's tokens, per layer ([num_layers][4]).
   std::vector<std::array<double, 4>> layer_modality_keep;
   // Decode-time mode: every `interval` decode steps the cache is evicted down to `cap`.
   // cap.kind == kNone: the point's budget is the cap (the cache starts with the full context);
@@ -114,6 +93,10 @@ struct PolicySpec {
   int interval = 1;
   std::string description;       // one line, for --help and docs
   std::string source;            // paper / seed section
+
+  // Sets one parameter (a pipeline key, a stage selector or a stage parameter) from its text,
+  // validated against its declaration. `where` prefixes errors ("FILE:LINE"). Throws PolicyError.
+  void set(const std::string& key, const std::string& value, const std::string& where = "policy");
 };
 
 // "0.3", "512tok", "64MiB", "1.5GB", "4096B". Throws PolicyError naming the text.
@@ -137,8 +120,8 @@ class PolicyRegistry {
 };
 
 // Throws PolicyError when `policy` (in decode mode) uses a stage decode mode does not
-// support; `where` prefixes the message. Supported: scorers none, recency, h2o, snapkv, tova,
-// knorm, random; allocators uniform, pyramid; executor evict; no head merge, not adaptive.
+// support; `where` prefixes the message. What is supported comes from the stages' declarations
+// (StageInfo::decode).
 void check_decode_support(const PolicySpec& policy, const std::string& where);
 // The syntax of the decode suffix, for messages and --help.
 constexpr const char* kDecodeSuffixSyntax = "NAME~decode or NAME~decode:INTERVAL (INTERVAL a whole number >= 1), "
@@ -147,7 +130,12 @@ constexpr const char* kDecodeSuffixSyntax = "NAME~decode or NAME~decode:INTERVAL
 // The quantizer presets int8, int4, kivi2 as (key, value) specs.
 bool quantizer_preset(const std::string& name, kernels::QuantSpec* key, kernels::QuantSpec* value);
 
-// The parameter keys an INI section may set, with one-line meanings (for errors and docs).
-const std::vector<std::pair<std::string, std::string>>& policy_parameters();
+// The parameter keys an INI section may set, with one-line meanings (for errors and docs): the
+// pipeline's keys, then every stage's, from their declarations.
+std::vector<std::pair<std::string, std::string>> policy_parameters();
+
+// True when `policy` needs a budget to run (a token policy whose allocator has no schedule of
+// its own, not adaptive, no fixed decode cap).
+bool policy_needs_budget(const PolicySpec& policy);
 
 }  // namespace kvscope::sim
