@@ -440,6 +440,26 @@ const std::vector<float>& LayerData::key_norm_all() {
   return knorm_all_;
 }
 
+const std::vector<float>& LayerData::decode_attention_mass() {
+  if (!decode_mass_.empty()) return decode_mass_;
+  prepare_steps();
+  const int H = ctx_.geometry.num_kv_heads, G = ctx_.geometry.group_size(), T = ctx_.T, S = ctx_.S;
+  std::vector<double> mass(static_cast<std::size_t>(H) * static_cast<std::size_t>(T), 0.0);  // [Hkv, T]
+  for (int h = 0; h < H; ++h) {
+    double* out = &mass[static_cast<std::size_t>(h) * static_cast<std::size_t>(T)];
+    for (int s = 0; s < S; ++s) {
+      const std::size_t len = static_cast<std::size_t>(T + s + 1);
+      const float* probs = full_step(h, s).probs;  // [G, T + s + 1]
+      for (int j = 0; j < G; ++j) {
+        const float* pr = probs + static_cast<std::size_t>(j) * len;
+        for (int t = 0; t < T; ++t) out[t] += pr[t];
+      }
+    }
+  }
+  decode_mass_.assign(mass.begin(), mass.end());
+  return decode_mass_;
+}
+
 void LayerData::prepare_prefill_statistics(const PolicySpec& p) {
   switch (p.scorer) {
     case ScorerKind::kH2O: h2o(); break;
@@ -462,6 +482,7 @@ void LayerData::prepare_float_statistics(const PolicySpec& p) {
   k_all();
   if (!have_steps_) compute_full_steps();
   if (p.mode == PolicyMode::kDecode && p.scorer == ScorerKind::kKeyNorm) key_norm_all();
+  if (p.scorer == ScorerKind::kOracleTopK) decode_attention_mass();
   if (p.allocator == AllocatorKind::kUniCache) modality_similarity();
 }
 

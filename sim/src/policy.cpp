@@ -196,6 +196,15 @@ PolicyRegistry::PolicyRegistry() {
     ad.source = "seed 000, adaptive fallback";
     add(m, ad);
   }
+  {
+    // The query-aware bound: not a policy (it reads the evaluation queries), reported by every sweep.
+    auto p = base("oracle-topk",
+                  "BOUND, not a policy: per layer and kv head the tokens with the most attention from the trace's "
+                  "own evaluation queries (uniform budget, nothing forced)",
+                  "query-aware oracle (docs/policies.md, Bound and search rows in sweeps)");
+    p.scorer = ScorerKind::kOracleTopK;
+    add(m, p);
+  }
   for (const char* q : {"int8", "int4", "kivi2"}) {
     auto p = base(q, "", "");
     p.compress_tokens = false;
@@ -530,7 +539,9 @@ void check_decode_support(const PolicySpec& p, const std::string& where) {
   else if (p.head_merge) bad = "head merging";
   else if (p.executor != ExecutorKind::kEvict) bad = "a merging executor";
   else if (p.allocator != AllocatorKind::kUniform && p.allocator != AllocatorKind::kPyramid) bad = "its budget allocator";
-  else if (p.scorer == ScorerKind::kVisionStride || p.scorer == ScorerKind::kUniCache) bad = "its scorer";
+  else if (p.scorer == ScorerKind::kVisionStride || p.scorer == ScorerKind::kUniCache ||
+           p.scorer == ScorerKind::kOracleTopK)
+    bad = "its scorer";
   if (!bad.empty()) {
     throw PolicyError(where + ": decode mode does not support " + bad +
                       "; it supports scorers none, recency, h2o, snapkv, tova, knorm, random with the uniform or "
