@@ -198,10 +198,11 @@ PolicyRegistry::PolicyRegistry() {
   }
   {
     // The query-aware bound: not a policy (it reads the evaluation queries), reported by every sweep.
-    auto p = base("oracle-topk",
-                  "BOUND, not a policy: per layer and kv head the tokens with the most attention from the trace's "
-                  "own evaluation queries (uniform budget, nothing forced)",
-                  "query-aware oracle (docs/policies.md, Bound and search rows in sweeps)");
+    auto p =
+        base("oracle-topk",
+             "BOUND, not a policy: per layer and kv head the tokens with the most attention from the trace's "
+             "own evaluation queries (uniform budget, nothing forced)",
+             "query-aware oracle (docs/policies.md, Bound and search rows in sweeps)");
     p.scorer = ScorerKind::kOracleTopK;
     add(m, p);
   }

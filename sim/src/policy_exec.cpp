@@ -162,7 +162,9 @@ LayerResult run_policy_on_layer(const PolicySpec& p, double keep, LayerData& L, 
       case ScorerKind::kH2O: per_kv = L.h2o(); break;
       case ScorerKind::kSnapKV: per_kv = L.snapkv(p.snapkv); break;
       case ScorerKind::kTOVA: per_kv = L.tova(); break;
-      case ScorerKind::kOracleTopK: per_kv = L.decode_attention_mass(); break;  // the bound's scorer
+      case ScorerKind::kOracleTopK:
+        per_kv = L.decode_attention_mass();
+        break;  // the bound's scorer
       case ScorerKind::kKeyNorm:
         per_kv = L.key_norm();
         for (auto& x : per_kv) x = -x;

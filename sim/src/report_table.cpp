@@ -224,9 +224,11 @@ std::string format_table(const std::vector<PointResult>& points, const TableOpti
              "steps, / the full cache then\n";
     }
     if (!others.empty()) {
-      out << "row: bound = oracle-topk, the tokens with the most attention from the evaluation queries, per layer "
-             "and kv head (the\nreference bound of eviction scorers at that budget); search = alloc-search:S, "
-             "per-layer allocations of S searched on the\nreplayed error, never above S at that budget\n";
+      out << "row: bound = oracle-topk, the tokens with the most attention from the evaluation queries, "
+             "per layer and kv head (the\n"
+             "reference bound of eviction scorers at that budget); search = alloc-search:S, per-layer "
+             "allocations of S searched on the\n"
+             "replayed error, never above S at that budget\n";
     }
   }
   return out.str();

@@ -396,7 +396,8 @@ std::vector<PointResult> read_contents(const Reader& r, ResultsMeta* meta) {
     role = r.strings("/points/role", P);
     for (hsize_t p = 0; p < P; ++p)
       if (role[p] != "policy" && role[p] != "bound" && role[p] != "search")
-        r.fail("/points/role", "row " + std::to_string(p) + ": '" + role[p] + "' is not policy, bound or search");
+        r.fail("/points/role",
+               "row " + std::to_string(p) + ": '" + role[p] + "' is not policy, bound or search");
   } else {
     for (hsize_t p = 0; p < P; ++p) role.push_back(policy[p].rfind("oracle-", 0) == 0 ? "search" : "policy");
   }

@@ -286,7 +286,8 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
     out.points[i].policy = points[i].policy.name;
     out.points[i].budget = points[i].budget.text.empty() ? "-" : points[i].budget.text;
     out.points[i].mode = points[i].policy.mode == PolicyMode::kDecode ? "decode" : "prefill";
-    if (i >= requested.size() || points[i].policy.scorer == ScorerKind::kOracleTopK) out.points[i].role = "bound";
+    if (i >= requested.size() || points[i].policy.scorer == ScorerKind::kOracleTopK)
+      out.points[i].role = "bound";
   }
   for (int l = 0; l < L; ++l) {
     LayerData layer(l, reader.read_layer(l), reader.read_decode_layer(l), ctx);

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "alloc_search.hpp"  // sim/src: the search on measured tables
 #include "kvscope/sim/engine.hpp"
 #include "kvscope/sim/sweep.hpp"
 
@@ -189,6 +190,83 @@ TEST(AllocSearch, NeverWorseThanTheScorerOnEveryShippedTraceAndDefaultBudget) {
   }
   std::printf("alloc-search:tova below tova at %zu of %zu (trace, budget) pairs\n", improved, compared);
   EXPECT_GT(improved, compared / 2) << "the search finds better allocations on most points";
+}
+
+// The statistic, recomputed independently in double from the float32 copies: A(t) = sum over decode
+// steps s and the G query heads of kv head h of softmax over tokens 0..T+s of q.k / sqrt(D), at t < T.
+// And the bound keeps exactly the tokens with the largest A(t) of each kv head.
+TEST(OracleBound, StatisticIsTheEvaluationQueriesAttentionMassAndTheBoundKeepsItsTopK) {
+  trace::TraceReader reader(std::string(KVSCOPE_TEST_SOURCE_DIR) + "/traces/tiny-shapes-two.h5");
+  TraceContext ctx = TraceContext::from_reader(reader);
+  const auto& g = ctx.geometry;
+  const int H = g.num_kv_heads, Hq = g.num_q_heads, G = g.group_size(), D = g.head_dim, T = ctx.T, S = ctx.S;
+  const PolicySpec bound = PolicyRegistry().get("oracle-topk");
+  for (int l = 0; l < g.num_layers; ++l) {
+    LayerData layer(l, reader.read_layer(l), reader.read_decode_layer(l), ctx);
+    layer.prepare(bound);
+    const std::vector<float>& k = layer.k_all();                     // [H, T + S, D]
+    const std::vector<float>& q = layer.q_steps();                   // [S, Hq, D]
+    const std::vector<float>& mass = layer.decode_attention_mass();  // [H, T]
+    ASSERT_EQ(mass.size(), static_cast<std::size_t>(H) * T);
+    const std::size_t N = static_cast<std::size_t>(T) + S;
+    for (int h = 0; h < H; ++h) {
+      std::vector<double> want(static_cast<std::size_t>(T), 0.0);
+      for (int s = 0; s < S; ++s) {
+        for (int j = 0; j < G; ++j) {
+          const float* qq = &q[(static_cast<std::size_t>(s) * Hq + static_cast<std::size_t>(h) * G + j) * D];
+          std::vector<double> z(static_cast<std::size_t>(T + s + 1));
+          double mx = -1e300, sum = 0;
+          for (int t = 0; t <= T + s; ++t) {
+            double dot = 0;
+            for (int d = 0; d < D; ++d)
+              dot += static_cast<double>(qq[d]) *
+                     k[(static_cast<std::size_t>(h) * N + static_cast<std::size_t>(t)) * D + d];
+            z[static_cast<std::size_t>(t)] = dot / std::sqrt(static_cast<double>(D));
+            mx = std::max(mx, z[static_cast<std::size_t>(t)]);
+          }
+          for (double& x : z) sum += (x = std::exp(x - mx));
+          for (int t = 0; t < T; ++t)
+            want[static_cast<std::size_t>(t)] += z[static_cast<std::size_t>(t)] / sum;
+        }
+      }
+      for (int t = 0; t < T; ++t)
+        EXPECT_NEAR(mass[static_cast<std::size_t>(h) * T + t], want[static_cast<std::size_t>(t)], 1e-5)
+            << "layer " << l << " head " << h << " token " << t;
+    }
+    std::vector<std::string> warnings;
+    const LayerResult r = run_policy_on_layer(bound, 0.3, layer, ctx, warnings, /*record_tokens=*/true);
+    EXPECT_TRUE(warnings.empty()) << "nothing is forced";
+    ASSERT_EQ(r.token_maps.size(), static_cast<std::size_t>(H));
+    for (int h = 0; h < H; ++h) {
+      float min_kept = 1e30f, max_evicted = -1e30f;
+      int kept = 0;
+      for (int t = 0; t < T; ++t) {
+        const float a = mass[static_cast<std::size_t>(h) * T + t];
+        if (r.token_maps[static_cast<std::size_t>(h)].state[static_cast<std::size_t>(t)] == 1) {
+          min_kept = std::min(min_kept, a);
+          ++kept;
+        } else {
+          max_evicted = std::max(max_evicted, a);
+        }
+      }
+      EXPECT_EQ(kept, static_cast<int>(std::lround(0.3 * T)));
+      EXPECT_GE(min_kept, max_evicted) << "layer " << l << " head " << h << ": the top-k of the statistic";
+    }
+  }
+}
+
+TEST(AllocSearch, AcceptsOnlyMovesThatLowerTheErrorWithinTheStartBytes) {
+  // Two layers, candidates 0 (small), 1 (the start), 2 (large). Layer 0 gains much from more bytes,
+  // layer 1 loses little from fewer: the pair move (0 -> 2, 1 -> 0) fits the start's bytes.
+  const std::vector<std::vector<std::int64_t>> bytes = {{10, 20, 30}, {10, 20, 30}};
+  const std::vector<std::vector<double>> error = {{0.9, 0.5, 0.1}, {0.31, 0.3, 0.29}};
+  EXPECT_EQ(detail::AllocSearch::search(bytes, error, 1), (std::vector<int>{2, 0}));
+  // A layer-1 loss larger than the layer-0 gain: no move.
+  const std::vector<std::vector<double>> flat = {{0.9, 0.5, 0.45}, {0.9, 0.3, 0.29}};
+  EXPECT_EQ(detail::AllocSearch::search(bytes, flat, 1), (std::vector<int>{1, 1}));
+  // A candidate with fewer bytes and lower error is taken alone; more bytes than the start never.
+  const std::vector<std::vector<double>> cheap = {{0.4, 0.5, 0.6}, {0.3, 0.3, 0.31}};
+  EXPECT_EQ(detail::AllocSearch::search(bytes, cheap, 1), (std::vector<int>{0, 1}));
 }
 
 }  // namespace

@@ -36,7 +36,8 @@ enum class ScorerKind {
   kRandom,        // seeded uniform
   kVisionStride,  // structured spatial drop: coarsest patch grid first
   kUniCache,      // s = w_a a~ + w_c c~ - w_d d + w_r r
-  kOracleTopK,    // oracle: attention mass from the trace's own evaluation queries (LayerData::decode_attention_mass)
+  kOracleTopK,    // oracle: attention mass from the trace's own evaluation queries
+                  // (LayerData::decode_attention_mass)
 };
 
 enum class AllocatorKind {

@@ -64,7 +64,8 @@ struct BoundOptions {
 struct AllocSearchOptions {
   bool enabled = false;
   PolicySpec scorer;  // a token-scoring policy; its scorer, forced set, executor and quantizer are used
-  std::vector<double> levels = {0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05};  // own-allocator keep levels
+  std::vector<double> levels = {0.9, 0.8, 0.7, 0.6, 0.5,
+                                0.4, 0.3, 0.2, 0.1, 0.05};                 // own-allocator keep levels
   std::vector<double> modality_levels = {1.0, 0.7, 0.5, 0.3, 0.15, 0.05};  // per-modality grid
 };
 
