@@ -260,7 +260,12 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
     if (f >= 1.0) continue;
     bool seen = false;
     for (const auto& t : targets) seen |= std::fabs(t.first - f) < 1e-9;
-    if (!seen) targets.emplace_back(f, pt.budget.text);
+    if (seen) continue;
+    // A byte budget of a quantizing policy is more tokens than the same bytes unquantized: the rows
+    // then name the token fraction itself.
+    std::ostringstream text;
+    text << std::round(f * 1e4) / 1e4;
+    targets.emplace_back(f, pt.budget.kind == Budget::Kind::kBytes && pt.policy.key_quant ? text.str() : pt.budget.text);
   }
   std::sort(targets.begin(), targets.end());
   // The bound's points run with the policies' (after them, so the policies' rows keep their order).
@@ -268,6 +273,11 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
   if (options.bound.enabled) {
     const PolicySpec bound = PolicyRegistry().get("oracle-topk");
     for (const auto& [f, text] : targets) {
+      // Not twice where the requested points already have the bound at this fraction.
+      bool listed = false;
+      for (const auto& pt : requested)
+        listed |= pt.policy.name == bound.name && std::fabs(keep_fraction(pt.policy, pt.budget, ctx) - f) < 1e-9;
+      if (listed) continue;
       Budget b;
       b.kind = Budget::Kind::kFraction;
       b.value = f;
