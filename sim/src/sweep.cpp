@@ -286,7 +286,7 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
     }
   }
   std::optional<detail::AllocSearch> search;
-  if (options.alloc_search.enabled) search.emplace(options.alloc_search, ctx, targets);
+  if (options.alloc_search.enabled && !targets.empty()) search.emplace(options.alloc_search, ctx, targets);
   out.points.resize(points.size());
   std::vector<double> keep(points.size(), 1.0), cap(points.size(), 1.0);
   std::vector<std::vector<std::string>> warn(points.size());
