@@ -92,13 +92,13 @@ int Model::find_point(const std::string& policy, const std::string& budget) cons
   return -1;
 }
 
-int Model::oracle_point_for(int point) const {
+int Model::search_point_for(int point) const {
   if (point < 0 || point >= static_cast<int>(points_.size())) return -1;
   const double want = points_[static_cast<std::size_t>(point)].bytes_ratio();
   int best = -1;
   double best_d = 0;
   for (std::size_t i = 0; i < points_.size(); ++i) {
-    if (points_[i].policy.rfind("oracle-", 0) != 0) continue;
+    if (points_[i].role != "search") continue;
     const double d = std::abs(points_[i].bytes_ratio() - want);
     if (best < 0 || d < best_d) {
       best = static_cast<int>(i);

@@ -56,8 +56,9 @@ class Model {
 
   // Row of points() for (policy, budget), or -1.
   int find_point(const std::string& policy, const std::string& budget) const;
-  // The oracle point ("oracle-*") with the closest budget_value to points()[point], or -1.
-  int oracle_point_for(int point) const;
+  // The allocation-search point (role "search", alloc-search:SCORER) with the bytes ratio closest to
+  // points()[point]'s, or -1.
+  int search_point_for(int point) const;
 
   // Prefill and decode tensors of one layer, read under hdf5_mutex(). Throws TraceError.
   std::pair<trace::LayerTensors, trace::LayerTensors> read_layer(int layer) const;

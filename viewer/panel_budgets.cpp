@@ -1,5 +1,6 @@
 // Budgets: where the selected point's memory went. Layer x modality heatmap of the kept ratio (and
-// kept bytes on hover), per-head bars for the selected layer, and the oracle allocation beside it.
+// kept bytes on hover), per-head bars for the selected layer, and the allocation search (alloc-search:*)
+// beside it.
 #include <imgui.h>
 
 #include <algorithm>
@@ -31,13 +32,13 @@ class BudgetsPanel : public Panel {
     ImGui::TextUnformatted(
         "Kept ratio = tokens kept as their own slot / context tokens, per layer and modality "
         "(all kv heads); bytes on hover, click a row to select the layer.");
-    const int oracle = ctx.model.oracle_point_for(ctx.sel.point);
+    const int search = ctx.model.search_point_for(ctx.sel.point);
     const float avail = ImGui::GetContentRegionAvail().x;
-    const float map_w = oracle >= 0 && oracle != ctx.sel.point ? avail * 0.33f : avail * 0.5f;
+    const float map_w = search >= 0 && search != ctx.sel.point ? avail * 0.33f : avail * 0.5f;
     heatmap("##selected", p, mods, map_w, ctx);
-    if (oracle >= 0 && oracle != ctx.sel.point) {
+    if (search >= 0 && search != ctx.sel.point) {
       ImGui::SameLine();
-      heatmap("##oracle", pts[oracle], mods, map_w, ctx);
+      heatmap("##search", pts[search], mods, map_w, ctx);
     }
     ImGui::SameLine();
     head_bars(p, ctx);

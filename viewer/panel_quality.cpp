@@ -1,5 +1,6 @@
 // Quality curves: output error (or recall, KL) versus bytes ratio for every swept policy, the
-// Pareto front highlighted, oracle rows drawn as the bound. Click a point to select it everywhere.
+// Pareto front highlighted, the oracle-topk rows (role bound) drawn as the dashed bound and the
+// alloc-search rows (role search) dotted: neither is a policy. Click a point to select it everywhere.
 #include <imgui.h>
 
 #include <algorithm>
@@ -19,7 +20,8 @@ double metric(const sim::PointResult& p, int which) {
   return which == 0 ? q.output_error : which == 1 ? q.attention_recall : q.kl;
 }
 
-bool is_oracle(const sim::PointResult& p) { return p.policy.rfind("oracle-", 0) == 0; }
+bool is_bound(const sim::PointResult& p) { return p.role == "bound"; }
+bool is_search(const sim::PointResult& p) { return p.role == "search"; }
 
 class QualityPanel : public Panel {
  public:
@@ -37,7 +39,10 @@ class QualityPanel : public Panel {
     ImGui::SetNextItemWidth(200);
     ImGui::Combo("y axis", &metric_, metrics, 3);
     ImGui::SameLine();
-    ImGui::TextDisabled("x: bytes kept / full.  Thick white: Pareto front.  Dashed grey: oracle bound.");
+    ImGui::TextDisabled(
+        "x: bytes kept / full.  Thick white: Pareto front.  Dashed grey: oracle-topk bound (reads the "
+        "evaluation "
+        "queries).  Dotted: allocation search.");
 
     double ymax = 0, ymin = 0;
     for (const auto& p : pts) {
@@ -65,27 +70,28 @@ class QualityPanel : public Panel {
     int color_index = 0;
     std::map<std::string, ImU32> colors;
     for (const auto& [name, idx] : series) {
-      const bool oracle = pts[idx[0]].policy.rfind("oracle-", 0) == 0;
-      const ImU32 c = oracle ? IM_COL32(200, 200, 200, 255) : w::series_color(color_index++);
+      const bool bound = is_bound(pts[idx[0]]), search = is_search(pts[idx[0]]);
+      const ImU32 c = bound ? IM_COL32(200, 200, 200, 255) : w::series_color(color_index++);
       colors[name] = c;
       for (std::size_t k = 1; k < idx.size(); ++k) {
         const ImVec2 a = f.to_screen(pts[idx[k - 1]].bytes_ratio(), metric(pts[idx[k - 1]], metric_));
         const ImVec2 b = f.to_screen(pts[idx[k]].bytes_ratio(), metric(pts[idx[k]], metric_));
-        if (oracle) {  // dashed
-          for (int s = 0; s < 10; s += 2) {
-            const float t0 = s / 10.0f, t1 = (s + 1) / 10.0f;
+        if (bound || search) {  // dashed (bound: 5 long dashes, thick) or dotted (search: 10 short ones)
+          const int n = bound ? 10 : 20;
+          for (int s = 0; s < n; s += 2) {
+            const float t0 = s / static_cast<float>(n), t1 = (s + 1) / static_cast<float>(n);
             dl->AddLine(ImVec2(a.x + (b.x - a.x) * t0, a.y + (b.y - a.y) * t0),
-                        ImVec2(a.x + (b.x - a.x) * t1, a.y + (b.y - a.y) * t1), c, 2.5f);
+                        ImVec2(a.x + (b.x - a.x) * t1, a.y + (b.y - a.y) * t1), c, bound ? 2.5f : 1.5f);
           }
         } else {
           dl->AddLine(a, b, c, 1.5f);
         }
       }
     }
-    // Pareto front (non-oracle points marked in the file), by bytes ratio.
+    // Pareto front (policy points marked in the file), by bytes ratio.
     std::vector<int> front;
     for (std::size_t i = 0; i < pts.size(); ++i) {
-      if (pts[i].pareto && !is_oracle(pts[i])) front.push_back(static_cast<int>(i));
+      if (pts[i].pareto && pts[i].role == "policy") front.push_back(static_cast<int>(i));
     }
     std::sort(front.begin(), front.end(),
               [&](int a, int b) { return pts[a].bytes_ratio() < pts[b].bytes_ratio(); });
@@ -114,11 +120,14 @@ class QualityPanel : public Panel {
     if (hovered >= 0 && ImGui::IsItemHovered()) {
       const sim::PointResult& p = pts[hovered];
       ImGui::SetTooltip(
-          "%s @ %s%s\nbytes ratio %.4f (saved %.1f %%)\noutput error %.5f\nrecall %.4f\nKL %.5f\n"
+          "%s @ %s%s%s\nbytes ratio %.4f (saved %.1f %%)\noutput error %.5f\nrecall %.4f\nKL %.5f\n"
           "%zu collapse flags\nclick to select",
-          p.policy.c_str(), p.budget.c_str(), p.pareto ? "  (Pareto)" : "", p.bytes_ratio(),
-          100 * (1 - p.bytes_ratio()), p.total.quality.output_error, p.total.quality.attention_recall,
-          p.total.quality.kl, p.flags.size());
+          p.policy.c_str(), p.budget.c_str(), p.pareto ? "  (Pareto)" : "",
+          is_bound(p)    ? "  (bound, not a policy)"
+          : is_search(p) ? "  (allocation search, not a policy)"
+                         : "",
+          p.bytes_ratio(), 100 * (1 - p.bytes_ratio()), p.total.quality.output_error,
+          p.total.quality.attention_recall, p.total.quality.kl, p.flags.size());
       if (ImGui::IsItemClicked()) ctx.sel.point = hovered;
     }
     // Legend.
@@ -128,7 +137,11 @@ class QualityPanel : public Panel {
       ImGui::ColorButton(("##" + name).c_str(), ImGui::ColorConvertU32ToFloat4(c),
                          ImGuiColorEditFlags_NoTooltip, ImVec2(12, 12));
       ImGui::SameLine();
-      ImGui::TextUnformatted(name.c_str());
+      const int first = series[name][0];
+      ImGui::Text("%s%s", name.c_str(),
+                  is_bound(pts[first])    ? " (bound)"
+                  : is_search(pts[first]) ? " (search)"
+                                          : "");
     }
     if (ctx.sel.point >= 0) {
       const sim::PointResult& p = pts[ctx.sel.point];

@@ -63,10 +63,10 @@ bool View::busy() const { return model_.state() == LoadState::kLoading || jobs_.
 
 void View::on_ready() {
   initialised_ = true;
-  // Start on the first Pareto point that is not an oracle, else the first point.
+  // Start on the first Pareto point that is a policy (not a bound or search row), else the first point.
   const auto& pts = model_.points();
   for (std::size_t i = 0; i < pts.size(); ++i) {
-    if (pts[i].pareto && pts[i].policy.rfind("oracle-", 0) != 0 && pts[i].budget != "-") {
+    if (pts[i].pareto && pts[i].role == "policy" && pts[i].budget != "-") {
       sel_.point = static_cast<int>(i);
       break;
     }

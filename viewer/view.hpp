@@ -49,7 +49,7 @@ std::unique_ptr<Panel> make_timeline_panel();
 std::unique_ptr<Panel> make_whatif_panel();
 
 // The request that recomputes the selected layer with the selected point's policy and keep
-// fraction (nullopt when the policy is unknown to the registry, e.g. oracle rows).
+// fraction (nullopt when the policy is unknown to the registry, e.g. alloc-search rows).
 std::optional<LayerRequest> selected_layer_request(const Model& model, const Selection& sel,
                                                    std::string* why);
 

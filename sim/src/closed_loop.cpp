@@ -39,6 +39,11 @@ PrefillCompressor::PrefillCompressor(PolicySpec policy, Budget budget, const tra
     throw PolicyError("closed loop: decode-time policy '" + policy_.name +
                       "' is not supported yet (prefill-mode policies only)");
   }
+  if (policy_.stages.scorer == "oracle-topk") {
+    throw PolicyError("closed loop: '" + policy_.name +
+                      "' is the query-aware bound of sweeps, not a policy: it reads the evaluation queries, which a "
+                      "closed loop only has after decoding");
+  }
   const int T = labels.size();
   if (T < 1) throw std::invalid_argument("closed loop: empty context");
   if (labels.position.size() != static_cast<std::size_t>(T) ||

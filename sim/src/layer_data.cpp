@@ -456,6 +456,25 @@ std::vector<const stages::Stage*> stages_of(const PolicySpec& p) {
           &stages::quantizer_of(p)};
 }
 }  // namespace
+const std::vector<float>& LayerData::decode_attention_mass() {
+  if (!decode_mass_.empty()) return decode_mass_;
+  prepare_steps();
+  const int H = ctx_.geometry.num_kv_heads, G = ctx_.geometry.group_size(), T = ctx_.T, S = ctx_.S;
+  std::vector<double> mass(static_cast<std::size_t>(H) * static_cast<std::size_t>(T), 0.0);  // [Hkv, T]
+  for (int h = 0; h < H; ++h) {
+    double* out = &mass[static_cast<std::size_t>(h) * static_cast<std::size_t>(T)];
+    for (int s = 0; s < S; ++s) {
+      const std::size_t len = static_cast<std::size_t>(T + s + 1);
+      const float* probs = full_step(h, s).probs;  // [G, T + s + 1]
+      for (int j = 0; j < G; ++j) {
+        const float* pr = probs + static_cast<std::size_t>(j) * len;
+        for (int t = 0; t < T; ++t) out[t] += pr[t];
+      }
+    }
+  }
+  decode_mass_.assign(mass.begin(), mass.end());
+  return decode_mass_;
+}
 
 void LayerData::prepare_prefill_statistics(const PolicySpec& p) {
   // Every statistic a stage reads is declared by the stage (Stage::prepare_prefill).

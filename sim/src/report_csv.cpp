@@ -53,7 +53,8 @@ void write_rows(std::ostream& os, const PointResult& p, const std::string& layer
                 const std::string& flags, const std::vector<int>& modalities) {
   const Quality& q = r.quality;
   const std::string prefix = quoted(p.policy) + "," + quoted(p.budget) + "," + layer_name + ",";
-  // Appended columns (results-format 1.1): the decode-step cache of the layer / point, then the mode.
+  // Appended columns (results-format 1.1): the decode-step cache of the layer / point, then the mode;
+  // (1.2) the role.
   const std::string suffix = std::string(p.pareto ? ",1," : ",0,")
                                  .append(num(p.budget_value))
                                  .append(",")
@@ -64,6 +65,8 @@ void write_rows(std::ostream& os, const PointResult& p, const std::string& layer
                                  .append(num(r.bytes_peak))
                                  .append(",")
                                  .append(quoted(p.mode))
+                                 .append(",")
+                                 .append(quoted(p.role))
                                  .append("\n");
   for (int m : modalities) {
     const std::int64_t full = r.bytes_full_modality[m], kept = r.bytes_kept_modality[m];
@@ -100,7 +103,7 @@ void write_csv(const std::string& path, const std::vector<PointResult>& points, 
     if (!os) throw ReportError(path, "cannot create " + partial);
     os << "policy,budget,layer,modality,bytes_full,bytes_kept,bytes_ratio,output_error,attention_recall,kl,"
           "entropy_delta,flags,tokens,kept,merged,evicted,share_before,share_after,pareto,budget_value,"
-          "bytes_full_end,bytes_end,bytes_peak,mode\n";
+          "bytes_full_end,bytes_end,bytes_peak,mode,role\n";
     for (const PointResult& p : points) {
       for (const LayerResult& l : p.layers) {
         write_rows(os, p, std::to_string(l.layer), l.total, flag_names(p, l.layer), modalities);

@@ -301,7 +301,7 @@ void write_contents(const Writer& w, hid_t file, const std::vector<PointResult>&
   {  // /points
     Handle g = group("/points");
     std::vector<const HeadResult*> recs;
-    std::vector<std::string> policy, budget, mode;
+    std::vector<std::string> policy, budget, mode, role;
     std::vector<double> budget_value, seconds;
     std::vector<std::uint8_t> pareto;
     std::vector<std::int32_t> num_flags;
@@ -310,6 +310,7 @@ void write_contents(const Writer& w, hid_t file, const std::vector<PointResult>&
       policy.push_back(p.policy);
       budget.push_back(p.budget);
       mode.push_back(p.mode);
+      role.push_back(p.role);
       budget_value.push_back(p.budget_value);
       seconds.push_back(p.seconds);
       pareto.push_back(p.pareto ? 1 : 0);
@@ -318,6 +319,9 @@ void write_contents(const Writer& w, hid_t file, const std::vector<PointResult>&
     w.strings(g, "/points/policy", policy, "canonical policy name");
     w.strings(g, "/points/budget", budget, "budget as given (fraction, NNtok, NNMiB) or - for budget-free");
     w.strings(g, "/points/mode", mode, "prefill (compressed once after prefill) or decode (evicted during decoding)");
+    w.strings(g, "/points/role", role,
+              "policy, bound (oracle-topk: reads the evaluation queries) or search (alloc-search:SCORER); "
+              "only policy rows can be on the Pareto front");
     w.dataset(g, "/points/budget_value", {P}, budget_value, "requested fraction of tokens kept (1 for -)");
     w.dataset(g, "/points/pareto", {P}, pareto, "1 on the bytes_ratio vs output_error Pareto front");
     w.dataset(g, "/points/seconds", {P}, seconds, "wall time of this point, seconds");

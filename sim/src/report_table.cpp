@@ -118,10 +118,12 @@ std::string flags_cell(const PointResult& p) {
 
 }  // namespace
 
-std::string format_table(const std::vector<PointResult>& points, const TableOptions& options) {
-  bool audio = false;
-  for (const PointResult& p : points) audio = audio || p.total.tokens[2] > 0;
-  if (options.show_audio) audio = *options.show_audio;
+namespace {
+
+// The header, a rule and one line per point; `decode` adds the end / peak columns.
+std::string table_rows(const std::vector<const PointResult*>& rows, const TableOptions& options, bool audio,
+                       bool decode, bool role_column) {
+  const std::vector<const PointResult*>& points = rows;
 
   std::vector<Column> cols = {{"policy", true, {}},  {"budget", true, {}},   {"saved%", false, {}},
                               {"ratio", false, {}},  {"error", false, {}},   {"recall", false, {}},
@@ -131,16 +133,15 @@ std::string format_table(const std::vector<PointResult>& points, const TableOpti
   cols.push_back({"dH", false, {}});
   // Decode-mode points: resident cache after the last decode step and its peak over the steps,
   // both / the full cache after the last step (prefill-only tables leave these columns out).
-  bool decode = false;
-  for (const PointResult& p : points) decode = decode || p.mode == "decode";
   if (decode) {
     cols.push_back({"end", false, {}});
     cols.push_back({"peak", false, {}});
   }
-  cols.push_back({"P", true, {}});
+  cols.push_back({role_column ? "row" : "P", true, {}});
   std::vector<std::string> flags;  // last column, not padded
 
-  for (const PointResult& p : points) {
+  for (const PointResult* pp : points) {
+    const PointResult& p = *pp;
     const Quality& q = p.total.quality;
     const double ratio = p.bytes_ratio();
     std::size_t c = 0;
@@ -161,7 +162,7 @@ std::string format_table(const std::vector<PointResult>& points, const TableOpti
       cols[c++].cells.push_back(full_end > 0 ? fmt("%.3f", static_cast<double>(p.total.bytes_end) / full_end) : "-");
       cols[c++].cells.push_back(full_end > 0 ? fmt("%.3f", static_cast<double>(p.total.bytes_peak) / full_end) : "-");
     }
-    cols[c++].cells.push_back(p.pareto ? "*" : "");
+    cols[c++].cells.push_back(role_column ? p.role : p.pareto ? "*" : "");
     flags.push_back(flags_cell(p));
   }
 
@@ -187,6 +188,30 @@ std::string format_table(const std::vector<PointResult>& points, const TableOpti
   for (std::size_t r = 0; r < points.size(); ++r) {
     out << render([r](const Column& c) { return c.cells[r]; }, flags[r]);
   }
+  return out.str();
+}
+
+}  // namespace
+
+std::string format_table(const std::vector<PointResult>& points, const TableOptions& options) {
+  bool audio = false;
+  for (const PointResult& p : points) audio = audio || p.total.tokens[2] > 0;
+  if (options.show_audio) audio = *options.show_audio;
+  // The policies, then (in a table of their own) the rows that are not policies: the oracle-topk
+  // bound and the alloc-search rows.
+  std::vector<const PointResult*> policies, others;
+  bool decode = false;
+  for (const PointResult& p : points) {
+    (p.role == "policy" ? policies : others).push_back(&p);
+    decode = decode || (p.role == "policy" && p.mode == "decode");
+  }
+  std::ostringstream out;
+  if (!policies.empty() || others.empty()) out << table_rows(policies, options, audio, decode, false);
+  if (!others.empty()) {
+    if (!policies.empty()) out << "\n";
+    out << "Not policies (they read the trace's own evaluation queries; never on the Pareto front):\n"
+        << table_rows(others, options, audio, false, true);
+  }
   if (options.legend) {
     out << "saved% = 1 - ratio (kept/full KV bytes); error = relative attention-output error; recall, R_m = "
            "attention mass kept (total, per modality)\n"
@@ -197,6 +222,13 @@ std::string format_table(const std::vector<PointResult>& points, const TableOpti
     if (decode) {
       out << "end, peak = cache (context + decode tokens) after the last decode step and its maximum over the "
              "steps, / the full cache then\n";
+    }
+    if (!others.empty()) {
+      out << "row: bound = oracle-topk, the tokens with the most attention from the evaluation queries, "
+             "per layer and kv head (the\n"
+             "reference bound of eviction scorers at that budget); search = alloc-search:S, per-layer "
+             "allocations of S searched on the\n"
+             "replayed error, never above S at that budget\n";
     }
   }
   return out.str();

@@ -345,6 +345,9 @@ std::vector<PointResult> read_contents(const Reader& r, ResultsMeta* meta) {
   // 1.1 added bytes_full_end / bytes_end / bytes_peak and /points/mode: required from 1.1 on; a 1.0
   // file reads with those bytes 0 and every point in prefill mode (the only mode 1.0 knew).
   const bool v11 = minor >= 1;
+  // 1.2 added /points/role. An older file's rows are policies, except its "oracle-*" rows: those were
+  // the allocation search of kvsim before 1.2 (role search).
+  const bool v12 = minor >= 2;
   auto count = [&](const char* name, std::int64_t max) {
     const std::int64_t v = r.attr_i64(name)[0];
     if (v < 0) r.fail(std::string("/@") + name, "negative");
@@ -388,6 +391,16 @@ std::vector<PointResult> read_contents(const Reader& r, ResultsMeta* meta) {
   const Records pr(r, "/points", {P}, v11);
   const std::vector<std::string> mode =
       v11 ? r.strings("/points/mode", P) : std::vector<std::string>(P, "prefill");
+  std::vector<std::string> role;
+  if (v12) {
+    role = r.strings("/points/role", P);
+    for (hsize_t p = 0; p < P; ++p)
+      if (role[p] != "policy" && role[p] != "bound" && role[p] != "search")
+        r.fail("/points/role",
+               "row " + std::to_string(p) + ": '" + role[p] + "' is not policy, bound or search");
+  } else {
+    for (hsize_t p = 0; p < P; ++p) role.push_back(policy[p].rfind("oracle-", 0) == 0 ? "search" : "policy");
+  }
   const std::vector<std::int32_t> layer = r.dataset<std::int32_t>("/layers/layer", {P, L});
   const std::vector<std::int32_t> merged_heads = r.dataset<std::int32_t>("/layers/merged_heads", {P, L});
   const Records lr(r, "/layers", {P, L}, v11);
@@ -398,6 +411,7 @@ std::vector<PointResult> read_contents(const Reader& r, ResultsMeta* meta) {
     pt.policy = policy[p];
     pt.budget = budget[p];
     pt.mode = mode[p];
+    pt.role = role[p];
     pt.budget_value = budget_value[p];
     pt.seconds = seconds[p];
     pt.pareto = pareto[p] != 0;

@@ -8,6 +8,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "alloc_search.hpp"
+
 namespace kvscope::sim {
 
 void accumulate(HeadResult& d, const HeadResult& s, double w) {
@@ -190,128 +192,6 @@ std::vector<CollapseFlag> detect_collapse(const PointResult& pt, const CollapseT
 }
 
 namespace {
-
-// curves[l][m] = (keep level, bytes of layer l, output error of layer l), level 1 first.
-struct CurvePoint {
-  double level = 1, bytes = 0, error = 0;
-};
-using OracleCurves = std::vector<std::array<std::vector<CurvePoint>, kModalities>>;
-
-PolicySpec oracle_policy(const OracleOptions& o, const TraceContext& ctx) {
-  PolicySpec p = o.scorer;
-  p.name = "oracle-" + o.scorer.name;
-  p.stages.allocator = "explicit";
-  p.set("quant", "none");
-  p.adaptive = false;
-  p.stages.head_merge = "none";
-  p.compress_tokens = true;
-  // Sinks and an absolute recent window stay forced; a recent window proportional to the budget
-  // would couple the modalities' budgets and break the additivity the greedy search assumes.
-  p.recent_fraction = 0.0f;
-  p.layer_modality_keep.assign(static_cast<std::size_t>(ctx.geometry.num_layers), {1.0, 1.0, 1.0, 1.0});
-  return p;
-}
-
-void measure_oracle_curves(const OracleOptions& o, LayerData& layer, TraceContext& ctx, OracleCurves& curves) {
-  const int l = layer.layer();
-  curves.resize(static_cast<std::size_t>(ctx.geometry.num_layers));
-  std::vector<std::string> ignored;
-  const double full = static_cast<double>(kernels::dtype_bytes(ctx.dtype)) * 2.0 * ctx.T * ctx.geometry.head_dim *
-                      ctx.geometry.num_kv_heads;
-  for (int m = 0; m < kModalities; ++m) {
-    auto& c = curves[static_cast<std::size_t>(l)][static_cast<std::size_t>(m)];
-    c.push_back({1.0, full, 0.0});
-    // Special tokens (separators, <s>) are few and always kept in full.
-    if (m == static_cast<int>(kernels::Modality::kSpecial) || ctx.tokens[static_cast<std::size_t>(m)] < 2) continue;
-    for (double level : o.levels) {
-      PolicySpec p = oracle_policy(o, ctx);
-      p.layer_modality_keep[static_cast<std::size_t>(l)][static_cast<std::size_t>(m)] = level;
-      const LayerResult r = run_policy_on_layer(p, 0.5, layer, ctx, ignored);
-      HeadResult t;
-      for (const auto& h : r.heads) accumulate(t, h, 1.0 / static_cast<double>(r.heads.size()));
-      c.push_back({level, static_cast<double>(t.bytes_kept.total()), t.quality.output_error});
-    }
-  }
-}
-
-// Greedy on marginal error per byte saved, from all-full down to the byte target.
-std::vector<std::array<double, 4>> oracle_allocation(const OracleCurves& curves, double target_bytes) {
-  const std::size_t L = curves.size();
-  std::vector<std::array<std::size_t, kModalities>> at(L);
-  for (auto& a : at) a.fill(0);
-  double bytes = 0;
-  for (std::size_t l = 0; l < L; ++l) bytes += curves[l][0][0].bytes;
-  while (bytes > target_bytes) {
-    double best = 1e300, best_save = 0;
-    std::size_t bl = 0, bm = 0;
-    bool found = false;
-    for (std::size_t l = 0; l < L; ++l) {
-      for (std::size_t m = 0; m < static_cast<std::size_t>(kModalities); ++m) {
-        const auto& c = curves[l][m];
-        const std::size_t i = at[l][m];
-        if (i + 1 >= c.size()) continue;
-        const double save = c[i].bytes - c[i + 1].bytes;
-        if (save <= 0) continue;
-        const double cost = (c[i + 1].error - c[i].error) / save;
-        if (cost < best) {
-          best = cost;
-          best_save = save;
-          bl = l;
-          bm = m;
-          found = true;
-        }
-      }
-    }
-    if (!found) break;
-    ++at[bl][bm];
-    bytes -= best_save;
-  }
-  std::vector<std::array<double, 4>> keep(L);
-  for (std::size_t l = 0; l < L; ++l)
-    for (std::size_t m = 0; m < static_cast<std::size_t>(kModalities); ++m) keep[l][m] = curves[l][m][at[l][m]].level;
-  return keep;
-}
-
-void run_oracle(const trace::TraceReader& reader, const OracleOptions& o, TraceContext& ctx, const OracleCurves& curves,
-                SweepOutput& out) {
-  // One oracle point per distinct token-budget fraction of the sweep.
-  std::vector<std::pair<double, std::string>> targets;
-  for (const auto& pt : out.points) {
-    if (pt.budget == "-" || pt.budget_value >= 1.0) continue;
-    bool seen = false;
-    for (const auto& t : targets) seen |= std::fabs(t.first - pt.budget_value) < 1e-9;
-    if (!seen) targets.emplace_back(pt.budget_value, pt.budget);
-  }
-  std::sort(targets.begin(), targets.end());
-  double full = 0;
-  for (const auto& c : curves) full += c[0][0].bytes;
-  std::vector<PolicySpec> specs;
-  for (const auto& [frac, text] : targets) {
-    PolicySpec p = oracle_policy(o, ctx);
-    p.layer_modality_keep = oracle_allocation(curves, frac * full);
-    specs.push_back(std::move(p));
-    PointResult r;
-    r.policy = specs.back().name;
-    r.budget = text;
-    r.budget_value = frac;
-    out.points.push_back(std::move(r));
-  }
-  const std::size_t first = out.points.size() - specs.size();
-  std::vector<std::string> ignored;
-  for (int l = 0; l < ctx.geometry.num_layers; ++l) {
-    LayerData layer(l, reader.read_layer(l), reader.read_decode_layer(l), ctx);
-    std::vector<const PolicySpec*> policies;
-    for (const auto& s : specs) policies.push_back(&s);
-    layer.prepare_and_release(policies);
-    for (std::size_t i = 0; i < specs.size(); ++i) {
-      out.points[first + i].layers.push_back(run_policy_on_layer(specs[i], 0.5, layer, ctx, ignored));
-    }
-  }
-}
-
-}  // namespace
-
-namespace {
 // The first metric of `q` that is not finite, or nullptr.
 const char* non_finite_metric(const Quality& q) {
   if (!std::isfinite(q.output_error)) return "output error";
@@ -363,13 +243,50 @@ void require_replayable(const trace::TraceReader& reader, const std::string& who
   }
 }
 
-SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepPoint>& points,
+SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepPoint>& requested,
                       const SweepOptions& options) {
   SweepOutput out;
   TraceContext ctx = TraceContext::from_reader(reader);
   if (options.backend) ctx.backend = options.backend;
   require_replayable(reader, "replaying a trace");
   const int L = ctx.geometry.num_layers;
+  // The bound and search rows (docs/policies.md "Bound and search rows in sweeps"): one per distinct
+  // token budget fraction < 1 of the requested points (with the budget text of its first point), in
+  // increasing order. Fraction, token and byte budgets need no layer statistic; adaptive points have none.
+  std::vector<std::pair<double, std::string>> targets;
+  for (const auto& pt : requested) {
+    if (pt.budget.kind == Budget::Kind::kNone || !pt.policy.compress_tokens || pt.policy.adaptive) continue;
+    const double f = keep_fraction(pt.policy, pt.budget, ctx);
+    if (f >= 1.0) continue;
+    bool seen = false;
+    for (const auto& t : targets) seen |= std::fabs(t.first - f) < 1e-9;
+    if (seen) continue;
+    // A byte budget of a quantizing policy is more tokens than the same bytes unquantized: the rows
+    // then name the token fraction itself.
+    std::ostringstream text;
+    text << std::round(f * 1e4) / 1e4;
+    targets.emplace_back(f, pt.budget.kind == Budget::Kind::kBytes && pt.policy.key_quant ? text.str() : pt.budget.text);
+  }
+  std::sort(targets.begin(), targets.end());
+  // The bound's points run with the policies' (after them, so the policies' rows keep their order).
+  std::vector<SweepPoint> points = requested;
+  if (options.bound.enabled) {
+    const PolicySpec bound = PolicyRegistry().get("oracle-topk");
+    for (const auto& [f, text] : targets) {
+      // Not twice where the requested points already have the bound at this fraction.
+      bool listed = false;
+      for (const auto& pt : requested)
+        listed |= pt.policy.name == bound.name && std::fabs(keep_fraction(pt.policy, pt.budget, ctx) - f) < 1e-9;
+      if (listed) continue;
+      Budget b;
+      b.kind = Budget::Kind::kFraction;
+      b.value = f;
+      b.text = text;
+      points.push_back({bound, b});
+    }
+  }
+  std::optional<detail::AllocSearch> search;
+  if (options.alloc_search.enabled && !targets.empty()) search.emplace(options.alloc_search, ctx, targets);
   out.points.resize(points.size());
   std::vector<double> keep(points.size(), 1.0), cap(points.size(), 1.0);
   std::vector<std::vector<std::string>> warn(points.size());
@@ -379,8 +296,9 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
     out.points[i].policy = points[i].policy.name;
     out.points[i].budget = points[i].budget.text.empty() ? "-" : points[i].budget.text;
     out.points[i].mode = points[i].policy.mode == PolicyMode::kDecode ? "decode" : "prefill";
+    if (i >= requested.size() || points[i].policy.stages.scorer == "oracle-topk")
+      out.points[i].role = "bound";
   }
-  OracleCurves curves;
   for (int l = 0; l < L; ++l) {
     LayerData layer(l, reader.read_layer(l), reader.read_decode_layer(l), ctx);
     if (l == 0) {
@@ -421,8 +339,8 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
     // after prepare_and_release) and writes its own result.
     std::vector<const PolicySpec*> policies;
     for (const auto& pt : points) policies.push_back(&pt.policy);
-    std::optional<PolicySpec> oracle;
-    if (options.oracle.enabled) policies.push_back(&oracle.emplace(oracle_policy(options.oracle, ctx)));
+    if (search)
+      for (const PolicySpec* s : search->specs()) policies.push_back(s);
     layer.prepare_and_release(policies);
     std::vector<std::string> errors(points.size());
 #pragma omp parallel for schedule(dynamic)
@@ -444,9 +362,9 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
     }
     for (const auto& e : errors)
       if (!e.empty()) throw std::runtime_error(e);
-    if (options.oracle.enabled) measure_oracle_curves(options.oracle, layer, ctx, curves);
+    if (search) search->run_layer(layer, ctx);
   }
-  if (options.oracle.enabled) run_oracle(reader, options.oracle, ctx, curves, out);
+  if (search) search->append_points(out.points);
   const bool has_vision = ctx.tokens[static_cast<std::size_t>(kernels::Modality::kVision)] > 0;
   for (std::size_t i = 0; i < out.points.size(); ++i) {
     PointResult& pt = out.points[i];

@@ -605,7 +605,7 @@ def tool_commands(kinds, path, want_view, view):
                  ("run", [f"{b}/kvsim", "run", "--backend", "cpu", "--threads", "1", "-q", "--trace", path,
                           "--policy", "snapkv@0.5"]),
                  ("sweep", [f"{b}/kvsim", "sweep", "--backend", "cpu", "--threads", "1", "-q", "--trace", path,
-                            "--policies", "snapkv,h2o+int8,unicache", "--budgets", "0.3,0.6", "--oracle", "tova"])]
+                            "--policies", "snapkv,h2o+int8,unicache", "--budgets", "0.3,0.6", "--alloc-search", "tova"])]
         if want_view:
             cmds.append(("view-trace", [f"{b}/kvview", path, "--screenshot", path + ".png", "--size", "320x200",
                                         "--timeout", "15"]))

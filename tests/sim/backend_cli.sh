@@ -11,7 +11,7 @@ out=$("$kvsim" run --trace "$dir/t.h5" --policy h2o~decode@0.5 -q 2>"$dir/auto.e
 err=$(<"$dir/auto.err")
 [[ $rc -eq 0 && $out == *$'\nbackend cpu'* && -z $err ]] || { echo "FAIL auto: exit $rc: stdout $out stderr $err"; fail=1; }
 echo "auto: $(grep '^backend' <<<"$out")"
-out=$("$kvsim" sweep --trace "$dir/t.h5" --policies h2o --budgets 0.5 --oracle none -q --backend cuda 2>"$dir/cuda.err"); rc=$?
+out=$("$kvsim" sweep --trace "$dir/t.h5" --policies h2o --budgets 0.5 --alloc-search none -q --backend cuda 2>"$dir/cuda.err"); rc=$?
 err=$(<"$dir/cuda.err")
 if [[ $rc -eq 0 && $out == *$'\nbackend cuda'* ]]; then
   echo "ok   GPU present: --backend cuda ran ($(grep '^backend' <<<"$out"))"

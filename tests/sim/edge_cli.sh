@@ -59,7 +59,7 @@ done
 check "the trace has S = 0 decode steps; kvsim plan --policy needs at least one" \
   "$kvsim" plan --trace "$dir/s0.h5" --gpu-mem 24GiB --params 7e9 --policy h2o@0.5
 
-# Tiny single-modality traces sweep with the default policies and the oracle.
+# Tiny single-modality traces sweep with the default policies, the oracle-topk bound and the allocation search.
 for t in text4 vision4 audio3 ok; do works "$kvsim" sweep --backend cpu --trace "$dir/$t.h5" -q; done
 
 # Values outside the float32 kernels' range: one line naming the tensor, exit 2, no results file.
@@ -86,7 +86,9 @@ check "malformed budget range '0.1:nan:0.1'" "$kvsim" sweep --backend cpu --trac
 check "malformed budget range '0:1:0.5'" "$kvsim" sweep --backend cpu --trace "$t" --policies h2o --budgets 0:1:0.5 -q
 check "empty budget list" "$kvsim" sweep --backend cpu --trace "$t" --policies h2o --budgets "" -q
 check "empty item in budget list" "$kvsim" sweep --backend cpu --trace "$t" --policies h2o --budgets 0.5,,0.6 -q
-check "--oracle needs a token-scoring policy" "$kvsim" sweep --backend cpu --trace "$t" --policies h2o --oracle int8 -q
+check "--alloc-search needs a prefill-mode token-scoring policy" "$kvsim" sweep --backend cpu --trace "$t" --policies h2o --alloc-search int8 -q
+check "--alloc-search needs a prefill-mode token-scoring policy" "$kvsim" sweep --backend cpu --trace "$t" --policies h2o --alloc-search oracle-topk -q
+check "not both" "$kvsim" sweep --backend cpu --trace "$t" --policies h2o --alloc-search h2o --oracle tova -q
 # Policy files: garbage, bad values, and files that are not regular files (a FIFO must not hang).
 printf '\x00\xff\x13garbage\n[\x01]\n' > "$dir/random.ini"
 check "random.ini:" "$kvsim" run --backend cpu --trace "$t" --policy-file "$dir/random.ini" --policy h2o@0.5 -q

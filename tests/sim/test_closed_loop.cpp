@@ -307,3 +307,22 @@ TEST_F(ClosedLoop, SharedPrefillEqualsPerPointPrefill) {
   }
   EXPECT_TRUE(any_differs) << "no point changed the answers: the comparison proves nothing";
 }
+
+TEST(ClosedLoopPolicies, RefusesTheOracleTopKBound) {
+  // The bound reads the evaluation queries; a closed loop has them only after decoding.
+  sim::ContextLabels labels;
+  labels.modality = {0, 0, 0};
+  labels.position = {0, 1, 2};
+  labels.segment = labels.grid_row = labels.grid_col = {0, 0, 0};
+  trace::ModelGeometry g;
+  g.num_layers = 1;
+  g.num_q_heads = g.num_kv_heads = 1;
+  g.head_dim = 4;
+  try {
+    sim::PrefillCompressor c(sim::PolicyRegistry().get("oracle-topk"), sim::parse_budget("0.5"), g,
+                             trace::DType::kF32, labels);
+    FAIL() << "oracle-topk accepted by the closed loop";
+  } catch (const sim::PolicyError& e) {
+    EXPECT_NE(std::string(e.what()).find("not a policy"), std::string::npos) << e.what();
+  }
+}

@@ -129,18 +129,24 @@ void expect_sane(const SweepOutput& out, const std::string& what) {
   }
 }
 
+// Every policy, the oracle-topk bound and the allocation search of tova.
 SweepOutput sweep_with_oracle(const std::string& path) {
   trace::TraceReader r(path);
   SweepOptions o;
-  o.oracle.enabled = true;
-  o.oracle.scorer = PolicyRegistry().get("tova");
+  o.bound.enabled = true;
+  o.alloc_search.enabled = true;
+  o.alloc_search.scorer = PolicyRegistry().get("tova");
   return run_sweep(r, all_points(), o);
 }
 
+// min(bound rows, search rows): both report the sweep's budgets.
 std::size_t oracle_points(const SweepOutput& out) {
-  std::size_t n = 0;
-  for (const auto& pt : out.points) n += pt.policy.rfind("oracle-", 0) == 0 ? 1 : 0;
-  return n;
+  std::size_t bound = 0, search = 0;
+  for (const auto& pt : out.points) {
+    bound += pt.role == "bound" && pt.policy == "oracle-topk" ? 1 : 0;
+    search += pt.role == "search" && pt.policy == "alloc-search:tova" ? 1 : 0;
+  }
+  return std::min(bound, search);
 }
 
 TEST(EdgeTraces, TinySingleModalityTracesSweepEveryPolicyAndTheOracle) {
@@ -176,20 +182,36 @@ TEST(EdgeTraces, TinyMixedTracesSweepEveryPolicyAndTheOracle) {
 }
 
 TEST(EdgeTraces, OracleAtFivePercentOfFourTextTokensKeepsOneToken) {
-  // The oracle's 5% level of a 4-token modality rounds to 0 tokens; the cache keeps one.
+  // An explicit (per-modality) keep fraction of 5% of a 4-token modality rounds to 0 tokens; the cache
+  // keeps one. The allocation search replays such allocations; so do its rows at that budget.
   const std::string path = write_trace("text4", {0, 0, 0, 0}, 2);
   trace::TraceReader r(path);
-  SweepOptions o;
-  o.oracle.enabled = true;
-  o.oracle.scorer = PolicyRegistry().get("tova");
-  o.oracle.levels = {0.05};
   PolicyRegistry reg;
+  {
+    TraceContext ctx = TraceContext::from_reader(r);
+    PolicySpec p = reg.get("tova");
+    p.stages.allocator = "explicit";
+    p.layer_modality_keep.assign(static_cast<std::size_t>(ctx.geometry.num_layers), {0.05, 1.0, 1.0, 1.0});
+    LayerData layer(0, r.read_layer(0), r.read_decode_layer(0), ctx);
+    layer.prepare(p);
+    std::vector<std::string> warnings;
+    const LayerResult lr = run_policy_on_layer(p, 0.05, layer, ctx, warnings);
+    for (const auto& h : lr.heads) EXPECT_EQ(h.kept[0], 1) << "explicit 5%, head " << h.kv_head;
+  }
+  SweepOptions o;
+  o.bound.enabled = true;
+  o.alloc_search.enabled = true;
+  o.alloc_search.scorer = reg.get("tova");
+  o.alloc_search.levels = {0.05};
+  o.alloc_search.modality_levels = {1.0, 0.05};
   const SweepOutput out = run_sweep(r, make_sweep_points({reg.get("tova")}, parse_budget_list("0.05")), o);
-  ASSERT_EQ(out.points.size(), 2u);
-  const PointResult& oracle = out.points[1];
-  EXPECT_EQ(oracle.policy, "oracle-tova");
-  for (const auto& l : oracle.layers)
-    for (const auto& h : l.heads) EXPECT_EQ(h.kept[0], 1) << "layer " << l.layer << " head " << h.kv_head;
+  ASSERT_EQ(out.points.size(), 3u);
+  EXPECT_EQ(out.points[1].policy, "oracle-topk");
+  EXPECT_EQ(out.points[2].policy, "alloc-search:tova");
+  for (std::size_t i = 1; i < 3; ++i)
+    for (const auto& l : out.points[i].layers)
+      for (const auto& h : l.heads)
+        EXPECT_EQ(h.kept[0], 1) << out.points[i].policy << " layer " << l.layer << " head " << h.kv_head;
 }
 
 TEST(EdgeTraces, ZeroDecodeStepsIsRejectedInOneLine) {

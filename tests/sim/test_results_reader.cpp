@@ -243,6 +243,32 @@ TEST(ResultsReader, ReadsFormat10FilesWithoutTheDecodeFields) {
   EXPECT_EQ(got[2].layers[1].heads[1].quality.kl, written[2].layers[1].heads[1].quality.kl);
 }
 
+TEST(ResultsReader, RolesRoundTripAndOlderFilesReadTheirOracleRowsAsSearch) {
+  std::vector<PointResult> written = testing::sample_points();
+  written[2].role = "bound";
+  written[3].role = "search";
+  const std::string path = temp_path("roles.h5");
+  write_hdf5(path, written, testing::sample_meta());
+  const std::vector<PointResult> got = read_results_hdf5(path);
+  ASSERT_EQ(got.size(), written.size());
+  for (std::size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i].role, written[i].role) << i;
+  // A 1.1 file has no /points/role: its oracle-* rows were the allocation search, the rest policies.
+  std::vector<PointResult> before = testing::sample_points();
+  before[3].policy = "oracle-h2o";
+  const std::string v11 = temp_path("v11-roles.h5");
+  write_hdf5(v11, before, testing::sample_meta());
+  const hid_t f = H5Fopen(v11.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+  ASSERT_GE(f, 0);
+  EXPECT_GE(H5Ldelete(f, "/points/role", H5P_DEFAULT), 0);
+  set_root_string(f, "version", "1.1");
+  H5Fclose(f);
+  const std::vector<PointResult> old = read_results_hdf5(v11);
+  ASSERT_EQ(old.size(), before.size());
+  for (std::size_t i = 0; i < old.size(); ++i) EXPECT_EQ(old[i].role, i == 3 ? "search" : "policy") << i;
+  expect_error(broken_file("no-role.h5", [](hid_t f) { H5Ldelete(f, "/points/role", H5P_DEFAULT); }), "/points/role",
+               "missing dataset");
+}
+
 TEST(ResultsReader, Format11RequiresTheDecodeFields) {
   expect_error(broken_file("no-peak.h5", [](hid_t f) { H5Ldelete(f, "/heads/bytes_peak", H5P_DEFAULT); }),
                "/heads/bytes_peak", "missing dataset");

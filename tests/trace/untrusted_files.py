@@ -53,7 +53,7 @@ def commands(kvcap, kvsim, path, work):
         "kvsim info": [kvsim, "info", path],
         "kvsim run": [kvsim, "run", "--trace", path, "--policy", "full", "-q", "--threads", "1"],
         "kvsim sweep": [kvsim, "sweep", "--trace", path, "--policies", "h2o", "--budgets", "0.5", "-q",
-                        "--threads", "1", "--oracle", "none"],
+                        "--threads", "1", "--alloc-search", "none"],
         "kvsim plan": [kvsim, "plan", "--trace", path, "--gpu-mem", "24GiB", "--params", "1e9"],
     }
 

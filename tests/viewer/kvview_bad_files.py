@@ -88,7 +88,7 @@ if __name__ == "__main__":
 
     results = os.path.join(WORK, "results.h5")
     subprocess.run([KVSIM, "sweep", "--trace", TRACE, "--policies", "h2o", "--budgets", "0.5", "-q",
-                    "--threads", "1", "--oracle", "none", "-o", results], check=True, capture_output=True)
+                    "--threads", "1", "--alloc-search", "none", "-o", results], check=True, capture_output=True)
     fifo = os.path.join(WORK, "pipe.h5")
     os.mkfifo(fifo)
     bad("fifo-trace", [fifo], 2, [fifo, "named pipe"], 10)

@@ -11,17 +11,15 @@
 #include "kvscope/sim/report.hpp"
 #include "layer_jobs.hpp"
 #include "model.hpp"
-#include "sim/sample_results.hpp"
 #include "scratch.hpp"
+#include "sim/sample_results.hpp"
 
 namespace kvscope::viewer {
 namespace {
 
 std::string tiny_trace() { return KVSCOPE_TINY_TRACE; }  // set by tests/viewer/CMakeLists.txt
 
-std::string temp_path(const std::string& name) {
-  return (kvscope::testing::scratch_dir() / name).string();
-}
+std::string temp_path(const std::string& name) { return (kvscope::testing::scratch_dir() / name).string(); }
 
 TEST(ViewerModel, LoadsTraceInTheBackground) {
   Model m;
@@ -64,7 +62,10 @@ TEST(ViewerModel, ReportsBadFilesWithTheirName) {
 
 TEST(ViewerModel, FindsPointsAndOracles) {
   std::vector<sim::PointResult> pts = testing::sample_points();
-  pts.push_back(testing::sample_point("oracle-h2o", "0.3", 0.3, 0.05, {}));
+  pts.push_back(testing::sample_point("alloc-search:h2o", "0.3", 0.3, 0.05, {}));
+  pts.back().role = "search";
+  pts.push_back(testing::sample_point("oracle-topk", "0.3", 0.3, 0.01, {}));
+  pts.back().role = "bound";
   const std::string results = temp_path("with-oracle.h5");
   sim::write_hdf5(results, pts, testing::sample_meta());
   Model m;
@@ -73,8 +74,9 @@ TEST(ViewerModel, FindsPointsAndOracles) {
   ASSERT_EQ(m.state(), LoadState::kReady) << m.error();
   EXPECT_EQ(m.find_point("random", "0.6"), 3);
   EXPECT_EQ(m.find_point("random", "0.7"), -1);
-  EXPECT_EQ(m.oracle_point_for(0), 4);  // h2o@0.3 -> the oracle at the same memory
-  EXPECT_EQ(m.policies(), (std::vector<std::string>{"h2o", "random", "oracle-h2o"}));
+  EXPECT_EQ(m.search_point_for(0), 4);  // h2o@0.3 -> the allocation search at the same memory, not the bound
+  EXPECT_EQ(m.points()[5].role, "bound");  // the role read back from the file
+  EXPECT_EQ(m.policies(), (std::vector<std::string>{"h2o", "random", "alloc-search:h2o", "oracle-topk"}));
 }
 
 class LayerJobsTest : public ::testing::Test {

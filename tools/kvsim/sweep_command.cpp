@@ -75,7 +75,10 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
               "Replays the trace through every policy at every budget, one layer at a time (one layer's\n"
               "tensors and statistics in memory), and prints memory and quality per point with the Pareto front of\n"
               "memory vs output error and the collapse flags. Per-layer statistics (attention scores,\n"
-              "key norms, redundancy) are computed once and shared by all policies.\n\nOptions"
+              "key norms, redundancy) are computed once and shared by all policies. Beside the policies, in a\n"
+              "table of their own and never on the Pareto front, it reports the oracle-topk bound (the tokens with\n"
+              "the most attention from the trace's own evaluation queries) and an allocation search at the sweep's\n"
+              "budgets (docs/policies.md, \"Bound and search rows in sweeps\").\n\nOptions"
             : "kvsim run --trace FILE --policy NAME[@BUDGET] [-o results.h5] [--csv results.csv]\n\n"
               "Replays the trace through one policy and prints memory and quality per point (add --layers\n"
               "for the per-layer table).\n\n"
@@ -87,9 +90,14 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
                        "comma-separated policies")(
         "budgets,b", po::value<std::string>()->default_value(kDefaultBudgets),
         "comma-separated budgets; START:STOP:STEP ranges of fractions allowed")(
-        "oracle", po::value<std::string>()->default_value("tova"),
-        "scorer policy of the oracle allocation reported beside the policies (per layer x modality "
-        "budgets from measured error curves, greedy on marginal error per byte); 'none' to skip");
+        "alloc-search", po::value<std::string>()->default_value("tova"),
+        "scorer policy of the allocation search reported beside the policies (rows alloc-search:NAME, not a "
+        "policy and not a bound: per layer, allocations of that scorer replayed on the trace; from the scorer's own "
+        "allocation at each budget, moves are kept only when they lower the replayed error within its bytes); "
+        "'none' to skip")(
+        "oracle", po::value<std::string>(), "deprecated name of --alloc-search (prints a warning)")(
+        "no-bound", "do not add the oracle-topk bound rows (the tokens with the most attention from the trace's "
+        "own evaluation queries, at every budget of the sweep; added by default)");
   } else {
     opts.add_options()("policy,p", po::value<std::string>(), "policy and budget, e.g. h2o@0.3, h2o+int8@512tok; unicache, adaptive and the "
         "quantizers (int8, int4, kivi2) need no budget");
@@ -178,20 +186,35 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
     so.backend = backend;
     so.thresholds.blind_recall = vm["blind-recall"].as<double>();
     so.thresholds.overcompression_kl = vm["kl-threshold"].as<double>();
-    if (sweep && vm["oracle"].as<std::string>() != "none") {
-      so.oracle.enabled = true;
-      so.oracle.scorer = registry.get(vm["oracle"].as<std::string>());
-      if (!so.oracle.scorer.compress_tokens || so.oracle.scorer.adaptive) {
-        throw PolicyError("--oracle needs a token-scoring policy (e.g. h2o, snapkv, tova), not '" +
-                          vm["oracle"].as<std::string>() + "'");
+    if (sweep) {
+      so.bound.enabled = !vm.count("no-bound");
+      std::string search = vm["alloc-search"].as<std::string>(), flag = "--alloc-search";
+      if (vm.count("oracle")) {
+        if (!vm["alloc-search"].defaulted()) throw PolicyError("give --alloc-search or its old name --oracle, not both");
+        search = vm["oracle"].as<std::string>();
+        flag = "--oracle";
+        std::cerr << name << ": warning: --oracle is deprecated, use --alloc-search " << search
+                  << " (an allocation search, rows alloc-search:NAME, not a bound; the bound is oracle-topk, "
+                     "--no-bound skips it)\n";
+      }
+      if (search != "none") {
+        so.alloc_search.enabled = true;
+        so.alloc_search.scorer = registry.get(search);
+        const PolicySpec& sc = so.alloc_search.scorer;
+        if (!sc.compress_tokens || sc.adaptive || sc.mode == PolicyMode::kDecode ||
+            sc.stages.scorer == "oracle-topk") {
+          throw PolicyError(flag + " needs a prefill-mode token-scoring policy (e.g. h2o, snapkv, tova), not '" +
+                            search + "'");
+        }
       }
     }
-    cli::ProgressBar bar(name, points.size() * static_cast<std::size_t>(reader.geometry().num_layers), !vm.count("quiet"));
-    so.progress = [&](std::size_t done, std::size_t) { bar.update(done); };
+    const std::size_t bar_total = points.size() * static_cast<std::size_t>(reader.geometry().num_layers);
+    cli::ProgressBar bar(name, bar_total, !vm.count("quiet"));
+    so.progress = [&](std::size_t done, std::size_t total) { bar.update(total ? done * bar_total / total : done); };
     SweepOutput out = run_sweep(reader, points, so);
     bar.finish();
-    // The Pareto front is over the policies; oracle rows are a bound, not a policy.
-    mark_pareto(out.points, [](const PointResult& pt) { return pt.policy.rfind("oracle-", 0) != 0; });
+    // The Pareto front is over the policies; bound and search rows are not policies.
+    mark_pareto(out.points, [](const PointResult& pt) { return pt.role == "policy"; });
     for (const auto& w : out.warnings) std::cerr << name << ": warning: " << w << "\n";
     std::cout << "trace " << reader.path() << ": " << summary.header.geometry.model_name
               << (summary.header.synthetic ? " (SYNTHETIC)" : "") << ", " << summary.num_tokens << " tokens ("

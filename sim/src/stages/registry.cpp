@@ -19,7 +19,7 @@ namespace kvscope::sim::stages {
   X(head_merge_none) X(head_merge_cosine)                                                                  \
   X(scorer_none) X(scorer_recency) X(scorer_h2o) X(scorer_snapkv) X(scorer_tova) X(scorer_knorm)           \
   X(scorer_random) X(scorer_vision_stride) X(scorer_unicache)                                              \
-  X(scorer_keydiff) X(scorer_expected_attention)                                                           \
+  X(scorer_keydiff) X(scorer_expected_attention) X(scorer_oracle_topk)                                     \
   X(allocator_uniform) X(allocator_pyramid) X(allocator_hybrid) X(allocator_vision_only)                   \
   X(allocator_unicache) X(allocator_explicit)                                                              \
   X(executor_evict) X(executor_merge_evicted) X(executor_unicache)                                         \

@@ -106,6 +106,12 @@ class LayerData {
   }
   // -||k|| of every token [Hkv, T + S] (decode-mode knorm scorer).
   const std::vector<float>& key_norm_all();
+  // Query-aware oracle statistic (the oracle-topk scorer, docs/policies.md): the attention mass each
+  // context token t < T receives from the trace's own evaluation queries, in the full cache and causally
+  // as the evaluation sees them: sum over decode steps s and the G query heads j of kv head h of
+  // p_{j,s}(t), p_{j,s} = full_step(h, s).probs of row j (softmax over tokens 0 .. T + s). [Hkv, T]
+  // float (summed in double). Information no real policy has: it reads the evaluation queries.
+  const std::vector<float>& decode_attention_mass();
 
   // Kv heads merged at a similarity threshold (kernels::cpu::merge_heads on the prefill K/V),
   // computed once per layer and threshold and shared by every point that merges heads.
@@ -147,6 +153,7 @@ class LayerData {
   bool have_full_ = false;
   void compute_full_steps();
   std::vector<float> kall_, vall_, qsteps_, knorm_all_;
+  std::vector<float> decode_mass_;  // [Hkv, T] decode_attention_mass()
   std::vector<float> step_probs_, step_output_, step_entropy_, step_mass_;  // ragged by step
   std::vector<std::size_t> step_probs_offset_;                            // [S] start of step s in step_probs_
   std::vector<double> step_mass_f64_;                                     // [S, Hq, 4]

@@ -72,6 +72,6 @@ void write_csv(const std::string& path, const std::vector<PointResult>& points, 
 void write_hdf5(const std::string& path, const std::vector<PointResult>& points, const ResultsMeta& meta);
 
 inline constexpr const char* kResultsFormat = "kvscope-results";
-inline constexpr const char* kResultsVersion = "1.1";
+inline constexpr const char* kResultsVersion = "1.2";
 
 }  // namespace kvscope::sim

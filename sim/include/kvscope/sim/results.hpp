@@ -101,6 +101,10 @@ struct PointResult {
   std::string policy;      // canonical policy name, e.g. "h2o+int8"
   std::string budget;      // as given: "0.3", "512tok", "64MiB", or "-" for budget-free policies
   std::string mode = "prefill";  // "prefill" or "decode" (docs/policies.md "Decode-time mode")
+  // "policy"; "bound" (oracle-topk: reads the evaluation queries, the bound of eviction scorers) or
+  // "search" (alloc-search:SCORER, an allocation search on measured errors): neither is a policy, and
+  // neither is ever on the Pareto front (docs/policies.md "Bound and search rows in sweeps").
+  std::string role = "policy";
   double budget_value = 0; // fraction of tokens kept requested (after converting tok/bytes), 1 for "-"
   std::vector<LayerResult> layers;
   HeadResult total;        // all layers

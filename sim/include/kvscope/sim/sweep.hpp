@@ -45,19 +45,37 @@ std::vector<Budget> parse_budget_list(const std::string& text);
 // appear once with budget "-".
 std::vector<SweepPoint> make_sweep_points(const std::vector<PolicySpec>& policies, const std::vector<Budget>& budgets);
 
-// Oracle allocation: per layer and modality, the error-vs-keep curve of one scorer is measured
-// (that modality compressed alone in that layer); then, for each swept budget, a greedy search
-// on marginal error per byte picks the per-layer x per-modality keep fractions reaching that
-// memory with the least summed error, and the allocation is replayed to measure it.
-struct OracleOptions {
-  bool enabled = false;
-  PolicySpec scorer;  // its scorer, forced sinks/recent and executor are used; quantizer ignored
-  std::vector<double> levels = {0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05};
+// Rows a sweep reports beside the policies (docs/policies.md "Bound and search rows in sweeps").
+// They read the trace's own evaluation queries, so they are never on the Pareto front of the policies
+// and PointResult::role says what they are.
+//
+// The query-aware bound: `oracle-topk` (PolicySpec scorer kOracleTopK) at every distinct token
+// budget fraction < 1 of the sweep's points; role "bound".
+struct BoundOptions {
+  bool enabled = false;  // kvsim sweep turns it on (--no-bound: off)
 };
+
+// Allocation search over one scorer: per layer, the scorer is replayed at candidate allocations
+// (its own allocator at every keep level, and per-modality keep fractions on a grid); for each swept
+// budget the search starts from the scorer's own allocation at that budget and only accepts moves
+// (one or two layers changing their allocation) that keep the summed kept bytes within the start's
+// and lower the summed replayed layer error, so its output error is never above the scorer's at
+// that budget. Rows `alloc-search:SCORER`, role "search".
+struct AllocSearchOptions {
+  bool enabled = false;
+  PolicySpec scorer;  // a token-scoring policy; its scorer, forced set, executor and quantizer are used
+  std::vector<double> levels = {0.9, 0.8, 0.7, 0.6, 0.5,
+                                0.4, 0.3, 0.2, 0.1, 0.05};                 // own-allocator keep levels
+  std::vector<double> modality_levels = {1.0, 0.7, 0.5, 0.3, 0.15, 0.05};  // per-modality grid
+};
+
+// Name of the search rows of `scorer`: "alloc-search:" + its name.
+std::string alloc_search_name(const std::string& scorer);
 
 struct SweepOptions {
   CollapseThresholds thresholds;
-  OracleOptions oracle;
+  BoundOptions bound;
+  AllocSearchOptions alloc_search;
   std::function<void(std::size_t done, std::size_t total)> progress;
   Backend* backend = nullptr;  // kernels to run on (select_backend); nullptr = the CPU backend
 };
