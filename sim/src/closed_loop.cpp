@@ -138,6 +138,10 @@ DecodeCompressor::DecodeCompressor(PolicySpec policy, Budget budget, const trace
   if (policy_.mode != PolicyMode::kDecode)
     throw PolicyError("closed loop: '" + policy_.name + "' is not decode-time");
   check_decode_support(policy_, "'" + policy_.name + "'");
+  // The live cache is rebuilt from the resident token ids, which cannot carry merged slots.
+  if (policy_.stages.executor != "evict")
+    throw PolicyError("closed loop: '" + policy_.name + "': decode mode with the merging executor '" +
+                      policy_.stages.executor + "' is not supported in the closed loop (kvsim replays it)");
   // Reuse the prefill compressor's label checks and context.
   PolicySpec pre = policy_;
   pre.mode = PolicyMode::kPrefill;

@@ -6,6 +6,7 @@
 
 #include <cmath>
 
+#include "kvscope/sim/closed_loop.hpp"
 #include "kvscope/sim/engine.hpp"
 #include "kvscope/sim/policy.hpp"
 #include "kvscope/synth/synth.hpp"
@@ -84,4 +85,30 @@ TEST(MergeEvicted, DecodeModeMergesDroppedTokensIntoSimilarKeptSlots) {
   }
   EXPECT_GT(merged_total, 0);
   EXPECT_GT(evicted_total, 0);
+}
+
+TEST(MergeEvicted, TheClosedLoopRefusesDecodeModeMergingItCannotCarry) {
+  trace::ModelGeometry g;
+  g.num_layers = 2;
+  g.num_q_heads = 2;
+  g.num_kv_heads = 1;
+  g.head_dim = 8;
+  ContextLabels labels;
+  labels.modality.assign(8, 0);
+  labels.position = {0, 1, 2, 3, 4, 5, 6, 7};
+  labels.segment.assign(8, 0);
+  labels.grid_row.assign(8, -1);
+  labels.grid_col.assign(8, -1);
+  try {
+    DecodeCompressor c(PolicyRegistry().get("look-m~decode"), parse_budget("0.5"), g, trace::DType::kF32,
+                       labels);
+    ADD_FAILURE() << "accepted";
+  } catch (const PolicyError& e) {
+    EXPECT_NE(
+        std::string(e.what()).find("merging executor 'merge-evicted' is not supported in the closed loop"),
+        std::string::npos)
+        << e.what();
+  }
+  EXPECT_NO_THROW(DecodeCompressor(PolicyRegistry().get("fastv~decode"), parse_budget("0.5"), g,
+                                   trace::DType::kF32, labels));
 }
