@@ -129,6 +129,11 @@ std::string format_table(const std::vector<PointResult>& points, const TableOpti
   if (audio) cols.push_back({"R_audio", false, {}});
   cols.push_back({"KL", false, {}});
   cols.push_back({"dH", false, {}});
+  // Traces with roles: output error and recall on the answer's queries (err_a, rec_a) and the question's
+  // (err_q, rec_q; "-" where the set is empty).
+  if (options.query_sets) {
+    for (const char* h : {"err_a", "rec_a", "err_q", "rec_q"}) cols.push_back({h, false, {}});
+  }
   // Decode-mode points: resident cache after the last decode step and its peak over the steps,
   // both / the full cache after the last step (prefill-only tables leave these columns out).
   bool decode = false;
@@ -156,6 +161,13 @@ std::string format_table(const std::vector<PointResult>& points, const TableOpti
     }
     cols[c++].cells.push_back(fmt("%.4f", q.kl));
     cols[c++].cells.push_back(fmt("%+.3f", q.entropy_delta));
+    if (options.query_sets) {
+      for (const QuerySetQuality& qs : q.query_sets) {
+        const bool empty = std::isnan(qs.output_error);
+        cols[c++].cells.push_back(empty ? "-" : fmt("%.4f", qs.output_error));
+        cols[c++].cells.push_back(empty ? "-" : fmt("%.3f", qs.attention_recall));
+      }
+    }
     if (decode) {
       const double full_end = static_cast<double>(p.total.bytes_full_end);
       cols[c++].cells.push_back(full_end > 0 ? fmt("%.3f", static_cast<double>(p.total.bytes_end) / full_end) : "-");
@@ -194,6 +206,10 @@ std::string format_table(const std::vector<PointResult>& points, const TableOpti
            "error);"
            " flags: blind = visual blindness,\n"
            "drift = semantic drift, repeat = repetition, overcomp = over-compression, with their layers\n";
+    if (options.query_sets) {
+      out << "err_a, rec_a / err_q, rec_q = error and recall on the answer's / the question's decode queries "
+             "only (docs/metrics.md \"Query sets\")\n";
+    }
     if (decode) {
       out << "end, peak = cache (context + decode tokens) after the last decode step and its maximum over the "
              "steps, / the full cache then\n";

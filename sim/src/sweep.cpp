@@ -32,6 +32,14 @@ void accumulate(HeadResult& d, const HeadResult& s, double w) {
   d.quality.attention_recall += w * s.quality.attention_recall;
   d.quality.kl += w * s.quality.kl;
   d.quality.entropy_delta += w * s.quality.entropy_delta;
+  for (std::size_t k = 0; k < static_cast<std::size_t>(kQuerySets); ++k) {
+    QuerySetQuality& a = d.quality.query_sets[k];
+    const QuerySetQuality& b = s.quality.query_sets[k];
+    a.output_error += w * b.output_error;
+    a.attention_recall += w * b.attention_recall;
+    a.kl += w * b.kl;
+    a.entropy_delta += w * b.entropy_delta;
+  }
 }
 
 std::vector<Budget> parse_budget_list(const std::string& text) {
@@ -300,7 +308,7 @@ void run_oracle(const trace::TraceReader& reader, const OracleOptions& o, TraceC
   const std::size_t first = out.points.size() - specs.size();
   std::vector<std::string> ignored;
   for (int l = 0; l < ctx.geometry.num_layers; ++l) {
-    LayerData layer(l, reader.read_layer(l), reader.read_decode_layer(l), ctx);
+    LayerData layer = read_layer_data(reader, l, ctx);
     std::vector<const PolicySpec*> policies;
     for (const auto& s : specs) policies.push_back(&s);
     layer.prepare_and_release(policies);
@@ -370,6 +378,13 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
   TraceContext ctx = TraceContext::from_reader(reader);
   if (options.backend) ctx.backend = options.backend;
   require_replayable(reader, "replaying a trace");
+  if (options.question_in_context) move_question_into_context(ctx, reader);
+  out.context_tokens = ctx.T;
+  out.decode_steps = ctx.S;
+  out.steps_in_context = ctx.steps_in_context;
+  out.has_roles = ctx.has_roles;
+  for (int k = 0; k < kQuerySets; ++k)
+    out.query_set_steps[static_cast<std::size_t>(k)] = ctx.query_set_steps(k);
   const int L = ctx.geometry.num_layers;
   out.points.resize(points.size());
   std::vector<double> keep(points.size(), 1.0), cap(points.size(), 1.0);
@@ -383,7 +398,7 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
   }
   OracleCurves curves;
   for (int l = 0; l < L; ++l) {
-    LayerData layer(l, reader.read_layer(l), reader.read_decode_layer(l), ctx);
+    LayerData layer = read_layer_data(reader, l, ctx);
     if (l == 0) {
       // Adaptive complexity from the original input: log V + log T_text + 2 N_align / (T_text + V),
       // alignment tokens being those whose layer-0 cross-modal attention share exceeds 0.3.
@@ -472,6 +487,7 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
     if (warn[i].size() > 1) line += " (and " + std::to_string(warn[i].size() - 1) + " more layers)";
     out.warnings.push_back(line);
   }
+  finish_query_sets(out, reader.path());
   check_finite(out, reader.path());
   return out;
 }
