@@ -219,6 +219,10 @@ class Recorder:
                               f"{layer} got {t}")
                 self._forward_tokens = t
                 last = self.T + step + t - 1 if position is None else int(position)  # the last token's
+                if last - (t - 1) != self.T + step:
+                    self.fail(f"decode step {step}: a forward of {t} tokens at positions {last - (t - 1)}.."
+                              f"{last} does not continue the cache at position {self.T + step} (a forward "
+                              "without the KV cache, e.g. use_cache=False?); generate with the KV cache")
                 for j in range(t):
                     fed = self._fed_ids[j] if self._fed_ids else -1
                     text = None if self.text_of is None or fed < 0 else self.text_of(fed)
