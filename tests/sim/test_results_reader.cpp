@@ -243,6 +243,44 @@ TEST(ResultsReader, ReadsFormat10FilesWithoutTheDecodeFields) {
   EXPECT_EQ(got[2].layers[1].heads[1].quality.kl, written[2].layers[1].heads[1].quality.kl);
 }
 
+TEST(ResultsReader, ReadsFormat11FilesWithoutTheQuerySets) {
+  // A 1.1 file: no query-set datasets (output_error_answer, ...) and no role attributes.
+  const std::string path = temp_path("v11.h5");
+  std::vector<PointResult> written = testing::sample_points();
+  written[1].layers[0].heads[1].quality.query_sets[kAnswerQueries].output_error = 0.125;
+  ResultsMeta meta = testing::sample_meta();
+  meta.has_roles = true;
+  meta.query_set_steps = {3, 2};
+  write_hdf5(path, written, meta);
+  {
+    ResultsMeta back;
+    const std::vector<PointResult> got = read_results_hdf5(path, &back);
+    EXPECT_TRUE(back.has_roles);
+    EXPECT_EQ(back.query_set_steps[kQuestionQueries], 2);
+    EXPECT_EQ(got[1].layers[0].heads[1].quality.query_sets[kAnswerQueries].output_error, 0.125);
+  }
+  const hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+  ASSERT_GE(f, 0);
+  for (const char* g : {"/points", "/layers", "/heads"})
+    for (const char* m : {"output_error", "attention_recall", "kl", "entropy_delta"})
+      for (const char* set : {"_answer", "_question"})
+        EXPECT_GE(H5Ldelete(f, (std::string(g) + "/" + m + set).c_str(), H5P_DEFAULT), 0);
+  for (const char* a : {"has_roles", "question_in_context", "answer_queries", "question_queries"})
+    EXPECT_GE(H5Adelete(f, a), 0);
+  set_root_string(f, "version", "1.1");
+  H5Fclose(f);
+  ResultsMeta back;
+  const std::vector<PointResult> got = read_results_hdf5(path, &back);
+  ASSERT_EQ(got.size(), written.size());
+  EXPECT_FALSE(back.has_roles);
+  EXPECT_TRUE(std::isnan(got[1].layers[0].heads[1].quality.query_sets[kAnswerQueries].output_error));
+  EXPECT_TRUE(std::isnan(got[0].total.quality.query_sets[kQuestionQueries].kl));
+  EXPECT_EQ(got[2].layers[1].heads[1].quality.kl, written[2].layers[1].heads[1].quality.kl);
+  // From 1.2 on they are required.
+  expect_error(broken_file("no-answer.h5", [](hid_t h) { H5Ldelete(h, "/layers/kl_answer", H5P_DEFAULT); }),
+               "/layers/kl_answer", "missing dataset");
+}
+
 TEST(ResultsReader, Format11RequiresTheDecodeFields) {
   expect_error(broken_file("no-peak.h5", [](hid_t f) { H5Ldelete(f, "/heads/bytes_peak", H5P_DEFAULT); }),
                "/heads/bytes_peak", "missing dataset");
