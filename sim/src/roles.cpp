@@ -20,7 +20,8 @@ std::uint8_t role_of_set(int set) {
 }  // namespace
 
 bool TraceContext::in_query_set(int set, int s) const {
-  if (step_role.empty()) return set == kAnswerQueries;  // no roles: every step is an answer step
+  // No roles (or a step beyond them, e.g. a live cache's): an answer step.
+  if (static_cast<std::size_t>(s) >= step_role.size()) return set == kAnswerQueries;
   return step_role[static_cast<std::size_t>(s)] == role_of_set(set);
 }
 
