@@ -246,9 +246,11 @@ TEST_F(CaptureErrors, RolesAreCheckedAndRecorded) {
   ASSERT_EQ(kvscope_capture_set_decode_roles(cap_, steps, 2), KVSCOPE_OK) << kvscope_capture_last_error();
   for (int l = 0; l < g_.L; ++l) {
     ASSERT_EQ(kvscope_capture_prefill_layer(cap_, l, &qt_, &kvt_, &kvt_), KVSCOPE_OK);
-    for (int s = 0; s < 2; ++s) ASSERT_EQ(kvscope_capture_decode_layer(cap_, l, s, &dq_, &dkv_, &dkv_), KVSCOPE_OK);
+    for (int s = 0; s < 2; ++s)
+      ASSERT_EQ(kvscope_capture_decode_layer(cap_, l, s, &dq_, &dkv_, &dkv_), KVSCOPE_OK);
   }
-  for (int s = 0; s < 2; ++s) ASSERT_EQ(kvscope_capture_decode_token(cap_, s, 5 + s, 10 + s, nullptr), KVSCOPE_OK);
+  for (int s = 0; s < 2; ++s)
+    ASSERT_EQ(kvscope_capture_decode_token(cap_, s, 5 + s, 10 + s, nullptr), KVSCOPE_OK);
   ASSERT_EQ(kvscope_capture_close(cap_), KVSCOPE_OK) << kvscope_capture_last_error();
   cap_ = nullptr;
   trace::TraceReader r(path("t.h5"));

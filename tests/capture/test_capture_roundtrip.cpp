@@ -262,7 +262,7 @@ TEST_F(CaptureTest, CppWrapperClosesOrAborts) {
   std::vector<std::uint8_t> roles(static_cast<std::size_t>(g.T), KVSCOPE_ROLE_CONTEXT);
   roles.back() = KVSCOPE_ROLE_QUESTION;
   cap.set_token_roles(roles);
-  cap.set_decode_roles({});  // S = 0
+  cap.set_decode_roles({});                                       // S = 0
   EXPECT_THROW(cap.set_decode_roles({}), capture::CaptureError);  // once
   try {
     cap.prefill_layer(0, capture::tensor(q.data(), g.Hq, g.T, g.D),

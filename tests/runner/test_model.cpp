@@ -390,7 +390,8 @@ class TokenObserver : public RunObserver {
   void on_prefill_layer(int layer, const TensorRef& q, const TensorRef& k, const TensorRef& v) override {
     for (std::int64_t t = 0; t < q.shape[1]; ++t) prefill[layer].push_back(row(q, k, v, t));
   }
-  void on_decode_layer(int layer, int step, const TensorRef& q, const TensorRef& k, const TensorRef& v) override {
+  void on_decode_layer(int layer, int step, const TensorRef& q, const TensorRef& k,
+                       const TensorRef& v) override {
     EXPECT_EQ(static_cast<std::size_t>(step), decode[layer].size());  // steps in order, none skipped
     for (std::int64_t t = 0; t < q.shape[1]; ++t) decode[layer].push_back(row(q, k, v, t));
     widest = std::max<std::int64_t>(widest, q.shape[1]);
@@ -444,7 +445,8 @@ TEST(Generation, TokensFedAfterThePrefillAreCausalDecodeStepsEqualToFeedingThemO
     for (int s = 0; s < k; ++s) {
       const auto& got = one_obs.decode[l][static_cast<std::size_t>(s)];
       // = the prefill of the whole prompt at that token, and = feeding the tokens one at a time
-      EXPECT_LT(max_abs_diff(got, ref_obs.prefill[l][static_cast<std::size_t>(T + s)]), 1e-4f) << "step " << s;
+      EXPECT_LT(max_abs_diff(got, ref_obs.prefill[l][static_cast<std::size_t>(T + s)]), 1e-4f)
+          << "step " << s;
       EXPECT_LT(max_abs_diff(got, each_obs.decode[l][static_cast<std::size_t>(s)]), 1e-4f) << "step " << s;
     }
     for (std::size_t s = k; s < one_obs.decode[l].size(); ++s)  // the generated steps follow

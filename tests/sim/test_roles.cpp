@@ -53,7 +53,8 @@ trace::Tensor rows(const trace::Tensor& t, std::size_t from, std::size_t to) {
 // [H, a, D] + [H, b, D] -> [H, a + b, D].
 trace::Tensor concat(const trace::Tensor& x, const trace::Tensor& y) {
   trace::Tensor out = x;
-  const std::size_t H = x.shape[0], a = x.shape[1], b = y.shape[1], row = x.shape[2] * kernels::dtype_bytes(x.dtype);
+  const std::size_t H = x.shape[0], a = x.shape[1], b = y.shape[1],
+                    row = x.shape[2] * kernels::dtype_bytes(x.dtype);
   out.shape[1] = a + b;
   out.data.resize(H * (a + b) * row);
   for (std::size_t h = 0; h < H; ++h) {
@@ -66,7 +67,8 @@ trace::Tensor concat(const trace::Tensor& x, const trace::Tensor& y) {
 // The base trace with decode roles `step_roles` (empty: none); with `prefill_steps` > 0 instead the first
 // prefill_steps decode steps written as context tokens (text) and no roles: what --question-in-context
 // must replay.
-std::string derived(const std::string& name, const std::vector<std::uint8_t>& step_roles, int prefill_steps = 0) {
+std::string derived(const std::string& name, const std::vector<std::uint8_t>& step_roles,
+                    int prefill_steps = 0) {
   const std::string path = (testing::scratch_dir() / name).string();
   trace::TraceReader r(base_trace());
   const std::size_t T = r.num_tokens(), n = static_cast<std::size_t>(prefill_steps), S = kS - n;
@@ -106,7 +108,8 @@ std::string derived(const std::string& name, const std::vector<std::uint8_t>& st
 
 const std::vector<std::uint8_t> kRoles = {1, 1, 3, 2, 2, 2};  // question x2, template, answer x3
 
-SweepOutput sweep(const std::string& path, const std::vector<std::string>& policies, bool question_in_context) {
+SweepOutput sweep(const std::string& path, const std::vector<std::string>& policies,
+                  bool question_in_context) {
   PolicyRegistry reg;
   std::vector<PolicySpec> specs;
   for (const auto& p : policies) specs.push_back(reg.get(p));
@@ -206,7 +209,8 @@ TEST(QuestionInContext, RefusedInOneLineWithoutRolesOrWithoutAQuestion) {
   const std::string none = message(base_trace());
   EXPECT_NE(none.find("--question-in-context: the trace records no token roles"), std::string::npos) << none;
   const std::string no_question = message(derived("roles_noq.h5", {2, 2, 2, 2, 2, 2}));
-  EXPECT_NE(no_question.find("no question step before the first answer step"), std::string::npos) << no_question;
+  EXPECT_NE(no_question.find("no question step before the first answer step"), std::string::npos)
+      << no_question;
   const std::string no_answer = message(derived("roles_noa.h5", {1, 1, 1, 1, 1, 1}));
   EXPECT_NE(no_answer.find("no answer step after the question"), std::string::npos) << no_answer;
   for (const auto& m : {none, no_question, no_answer}) EXPECT_EQ(m.find('\n'), std::string::npos);
@@ -218,7 +222,8 @@ TEST(QuerySets, ResultsFilesCarryThemOnlyWhereTheTraceHasRoles) {
   trace::TraceReader r(trace_path);
   ResultsMeta meta = results_meta(summarize(r), "kvsim sweep");
   meta.has_roles = out.has_roles;
-  for (int k = 0; k < kQuerySets; ++k) meta.query_set_steps[static_cast<std::size_t>(k)] = out.query_set_steps[static_cast<std::size_t>(k)];
+  for (int k = 0; k < kQuerySets; ++k)
+    meta.query_set_steps[static_cast<std::size_t>(k)] = out.query_set_steps[static_cast<std::size_t>(k)];
   const std::string csv = (testing::scratch_dir() / "roles.csv").string();
   const std::string h5 = (testing::scratch_dir() / "roles.h5").string();
   write_csv(csv, out.points, meta);

@@ -260,11 +260,12 @@ TEST(TaskRoles, RolesFollowThePromptParts) {
   ASSERT_EQ(roles.size(), text.size());
   std::string by_role[4];
   for (std::size_t i = 0; i < text.size(); ++i) by_role[roles[i]] += text[i];
-  EXPECT_EQ(by_role[1], s.question);                     // question
-  EXPECT_EQ(by_role[2], s.answer_prefix);                // answer: the pre-filled prefix
+  EXPECT_EQ(by_role[1], s.question);       // question
+  EXPECT_EQ(by_role[2], s.answer_prefix);  // answer: the pre-filled prefix
   EXPECT_EQ(by_role[0], s.user.substr(s.context_char, s.question_char - s.context_char));  // the haystack
   EXPECT_NE(by_role[0].find("The pass key is " + s.answer + "."), std::string::npos);
-  EXPECT_EQ(by_role[3].rfind("<|im_start|>system\n", 0), 0u) << by_role[3];  // template: system, intro, markup
+  EXPECT_EQ(by_role[3].rfind("<|im_start|>system\n", 0), 0u)
+      << by_role[3];  // template: system, intro, markup
   EXPECT_NE(by_role[3].find("There is a pass key hidden in the text below."), std::string::npos);
   EXPECT_NE(by_role[3].find("<|im_end|>\n<|im_start|>assistant\n"), std::string::npos);
   // One contiguous run each: template, context, question, template, answer.
@@ -278,7 +279,8 @@ TEST(TaskRoles, RolesFollowThePromptParts) {
     task_token_roles(tok, wrong, chat, s);
     ADD_FAILURE() << "accepted";
   } catch (const TaskError& e) {
-    EXPECT_NE(std::string(e.what()).find("token 3 does not spell the prompt text at byte 3"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("token 3 does not spell the prompt text at byte 3"),
+              std::string::npos)
         << e.what();
   }
 }

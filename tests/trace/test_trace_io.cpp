@@ -353,7 +353,9 @@ TEST(TraceRoles, ReaderRefusesBadRoleCodesAndShapesInOneLine) {
     const char* expected;
   };
   const Case cases[] = {
-      {"/tokens/role", {0, 0, 7, 0, 0}, "/tokens/role: bad role code 7 at index 2 (allowed: 0 context, 1 question"},
+      {"/tokens/role",
+       {0, 0, 7, 0, 0},
+       "/tokens/role: bad role code 7 at index 2 (allowed: 0 context, 1 question"},
       {"/tokens/role", {0, 0, 0, 0, -1}, "/tokens/role: bad role code -1 at index 4"},
       {"/decode/tokens/role", {2, 300}, "/decode/tokens/role: bad role code 300 at index 1"},
       {"/tokens/role", {0, 0}, "/tokens/role: shape (2)"},

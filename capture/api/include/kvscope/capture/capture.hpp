@@ -115,7 +115,8 @@ class Capture {
     detail::check(kvscope_capture_set_token_roles(handle(), roles.data()));
   }
   void set_decode_roles(const std::vector<std::uint8_t>& roles) {
-    detail::check(kvscope_capture_set_decode_roles(handle(), roles.data(), static_cast<std::int64_t>(roles.size())));
+    detail::check(
+        kvscope_capture_set_decode_roles(handle(), roles.data(), static_cast<std::int64_t>(roles.size())));
   }
   void range_push(const char* name) { detail::check(kvscope_capture_range_push(handle(), name)); }
   void range_pop() { detail::check(kvscope_capture_range_pop(handle())); }
