@@ -98,7 +98,7 @@ int Model::search_point_for(int point) const {
   int best = -1;
   double best_d = 0;
   for (std::size_t i = 0; i < points_.size(); ++i) {
-    if (points_[i].role != "search") continue;
+    if (points_[i].kind != "search") continue;
     const double d = std::abs(points_[i].bytes_ratio() - want);
     if (best < 0 || d < best_d) {
       best = static_cast<int>(i);

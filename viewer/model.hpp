@@ -56,7 +56,7 @@ class Model {
 
   // Row of points() for (policy, budget), or -1.
   int find_point(const std::string& policy, const std::string& budget) const;
-  // The allocation-search point (role "search", alloc-search:SCORER) with the bytes ratio closest to
+  // The allocation-search point (kind "search", alloc-search:SCORER) with the bytes ratio closest to
   // points()[point]'s, or -1.
   int search_point_for(int point) const;
 

@@ -1,6 +1,6 @@
 // Quality curves: output error (or recall, KL) versus bytes ratio for every swept policy, the
-// Pareto front highlighted, the oracle-topk rows (role bound) drawn as the dashed bound and the
-// alloc-search rows (role search) dotted: neither is a policy. Click a point to select it everywhere.
+// Pareto front highlighted, the oracle-topk rows (kind bound) drawn as the dashed bound and the
+// alloc-search rows (kind search) dotted: neither is a policy. Click a point to select it everywhere.
 #include <imgui.h>
 
 #include <algorithm>
@@ -20,8 +20,8 @@ double metric(const sim::PointResult& p, int which) {
   return which == 0 ? q.output_error : which == 1 ? q.attention_recall : q.kl;
 }
 
-bool is_bound(const sim::PointResult& p) { return p.role == "bound"; }
-bool is_search(const sim::PointResult& p) { return p.role == "search"; }
+bool is_bound(const sim::PointResult& p) { return p.kind == "bound"; }
+bool is_search(const sim::PointResult& p) { return p.kind == "search"; }
 
 class QualityPanel : public Panel {
  public:
@@ -91,7 +91,7 @@ class QualityPanel : public Panel {
     // Pareto front (policy points marked in the file), by bytes ratio.
     std::vector<int> front;
     for (std::size_t i = 0; i < pts.size(); ++i) {
-      if (pts[i].pareto && pts[i].role == "policy") front.push_back(static_cast<int>(i));
+      if (pts[i].pareto && pts[i].kind == "policy") front.push_back(static_cast<int>(i));
     }
     std::sort(front.begin(), front.end(),
               [&](int a, int b) { return pts[a].bytes_ratio() < pts[b].bytes_ratio(); });

@@ -66,7 +66,7 @@ void View::on_ready() {
   // Start on the first Pareto point that is a policy (not a bound or search row), else the first point.
   const auto& pts = model_.points();
   for (std::size_t i = 0; i < pts.size(); ++i) {
-    if (pts[i].pareto && pts[i].role == "policy" && pts[i].budget != "-") {
+    if (pts[i].pareto && pts[i].kind == "policy" && pts[i].budget != "-") {
       sel_.point = static_cast<int>(i);
       break;
     }

@@ -208,7 +208,7 @@ void AllocSearch::append_points(std::vector<PointResult>& points) const {
     pt.policy = alloc_search_name(options_.scorer.name);
     pt.budget = budgets_[b].second;
     pt.budget_value = budgets_[b].first;
-    pt.role = "search";
+    pt.kind = "search";
     const std::vector<int> pick = search(bytes_, error_, start_[b]);
     for (std::size_t l = 0; l < results_.size(); ++l)
       pt.layers.push_back(results_[l][static_cast<std::size_t>(pick[l])]);

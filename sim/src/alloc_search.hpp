@@ -22,7 +22,7 @@ class AllocSearch {
   std::vector<const PolicySpec*> specs() const;
   // Replays every candidate allocation on `layer` and keeps the layer results.
   void run_layer(LayerData& layer, TraceContext& ctx);
-  // One point per budget, role "search", appended to `points` (layers filled, totals not yet
+  // One point per budget, kind "search", appended to `points` (layers filled, totals not yet
   // aggregated: run_sweep aggregates every point).
   void append_points(std::vector<PointResult>& points) const;
 

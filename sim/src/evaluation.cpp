@@ -7,10 +7,23 @@ namespace kvscope::sim {
 
 namespace {
 
-// Adds the G rows of one step, each weighted 1 / (G * S), in row order (both paths, so that the
-// double sums see the same terms in the same order).
+// Adds the G rows of step s, each weighted 1 / (G * S), in row order (both paths, so that the
+// double sums see the same terms in the same order); and to each query set holding step s, weighted
+// 1 / (G * steps of the set) (docs/metrics.md "Query sets").
 void add_rows(const float* err, const float* rec, const float* kl, const float* dent, const float* recm,
-              const float* mfull, const float* mcomp, int G, int S, Quality& q) {
+              const float* mfull, const float* mcomp, int G, int S, int s, const TraceContext& ctx,
+              Quality& q) {
+  for (int set = 0; set < kQuerySets; ++set) {
+    if (!ctx.in_query_set(set, s)) continue;
+    QuerySetQuality& qs = q.query_sets[static_cast<std::size_t>(set)];
+    const double ws = 1.0 / (static_cast<double>(G) * ctx.query_set_steps(set));
+    for (std::size_t r = 0; r < static_cast<std::size_t>(G); ++r) {
+      qs.output_error += err[r] * ws;
+      qs.attention_recall += rec[r] * ws;
+      qs.kl += kl[r] * ws;
+      qs.entropy_delta += dent[r] * ws;
+    }
+  }
   const double w = 1.0 / (static_cast<double>(G) * S);
   for (std::size_t r = 0; r < static_cast<std::size_t>(G); ++r) {
     q.output_error += err[r] * w;
@@ -55,7 +68,7 @@ void add_step_quality(LayerData& L, TraceContext& ctx, int h, int s, const StepC
       ctx.backend->evaluate_attention(ep, query, ctx.modality_all.data(), L.full_step(h, s), cache, eo);
   if (!st.ok()) throw std::runtime_error("evaluate (step " + std::to_string(s) + "): " + st.message());
   add_rows(err.data(), rec.data(), kl.data(), dent.data(), recm.data(), mfull.data(), mcomp.data(), G, ctx.S,
-           q);
+           s, ctx, q);
 }
 
 void add_prefill_quality(LayerData& L, TraceContext& ctx, int h, const PrefillCache& c, bool proportional,
@@ -88,7 +101,7 @@ void add_prefill_quality(LayerData& L, TraceContext& ctx, int h, const PrefillCa
     const std::size_t o = static_cast<std::size_t>(s) * G;
     const std::size_t om = o * kModalities;
     add_rows(&r.output_error[o], &r.recall[o], &r.kl[o], &r.entropy_change[o], &r.recall_modality[om],
-             &r.mass_full[om], &r.mass_compressed[om], G, S, q);
+             &r.mass_full[om], &r.mass_compressed[om], G, S, s, ctx, q);
   }
 }
 

@@ -32,6 +32,9 @@ TraceSummary summarize(const trace::TraceReader& reader) {
     }
   }
   for (auto& [_, seg] : segs) s.segments.push_back(seg);
+  s.has_roles = reader.has_roles();
+  for (std::uint8_t r : t.role) ++s.context_roles[r];
+  for (std::uint8_t r : reader.decode_tokens().role) ++s.decode_roles[r];
   const auto& g = s.header.geometry;
   s.kv_bytes_per_layer = trace::kv_bytes_per_layer(g, s.header.dtype, s.num_tokens);
   for (int m = 0; m < kernels::kNumModalities; ++m) {
@@ -77,7 +80,18 @@ std::string format_summary(const TraceSummary& s) {
                 g.num_layers, g.num_q_heads, g.num_kv_heads, g.group_size(), g.head_dim, g.rope_theta,
                 kernels::dtype_name(s.header.dtype));
   o << line;
-  o << "tokens     " << s.num_tokens << " context, " << s.num_decode_steps << " decode steps (evaluation queries)\n\n";
+  o << "tokens     " << s.num_tokens << " context, " << s.num_decode_steps
+    << " decode steps (evaluation queries)\n";
+  auto role_counts = [](const std::array<std::size_t, trace::kNumRoles>& c) {
+    std::string out;
+    for (int r = 0; r < trace::kNumRoles; ++r) {
+      out += (r ? ", " : "") + std::to_string(c[static_cast<std::size_t>(r)]) + " " + trace::role_name(r);
+    }
+    return out;
+  };
+  o << "roles      " << (s.has_roles ? "" : "none recorded (defaults) ")
+    << "context tokens: " << role_counts(s.context_roles) << "; decode steps: " << role_counts(s.decode_roles)
+    << "\n\n";
 
   o << "tokens per modality\n";
   std::snprintf(line, sizeof line, "  %-9s %8s %8s %14s\n", "modality", "tokens", "share", "KV per layer");

@@ -31,8 +31,12 @@ TraceContext TraceContext::from_reader(const trace::TraceReader& reader) {
   c.grid_col = t.grid_col;
   c.segment = t.segment;
   for (auto m : t.modality) ++c.tokens[m];
+  c.role = t.role;
+  c.step_role = reader.decode_tokens().role;
+  c.has_roles = reader.has_roles();
   c.modality_all = c.modality;
   c.modality_all.resize(static_cast<std::size_t>(c.T) + static_cast<std::size_t>(c.S), 0);
+  c.count_query_sets();
   return c;
 }
 

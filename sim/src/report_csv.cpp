@@ -49,12 +49,22 @@ std::string flag_names(const PointResult& p, int layer) {
 }
 
 // Rows of one aggregate (a layer or the whole point): one per reported modality, then "all".
+// Appended columns of traces with roles (results-format 1.2): the four metrics on each query set.
+std::string query_set_columns(const Quality& q) {
+  std::string out;
+  for (const QuerySetQuality& s : q.query_sets) {
+    for (double v : {s.output_error, s.attention_recall, s.kl, s.entropy_delta})
+      out.append(",").append(num(v));
+  }
+  return out;
+}
+
 void write_rows(std::ostream& os, const PointResult& p, const std::string& layer_name, const HeadResult& r,
-                const std::string& flags, const std::vector<int>& modalities) {
+                const std::string& flags, const std::vector<int>& modalities, bool query_sets) {
   const Quality& q = r.quality;
   const std::string prefix = quoted(p.policy) + "," + quoted(p.budget) + "," + layer_name + ",";
   // Appended columns (results-format 1.1): the decode-step cache of the layer / point, then the mode;
-  // (1.2) the role.
+  // (1.2) the kind of row (policy, bound, search).
   const std::string suffix = std::string(p.pareto ? ",1," : ",0,")
                                  .append(num(p.budget_value))
                                  .append(",")
@@ -66,7 +76,8 @@ void write_rows(std::ostream& os, const PointResult& p, const std::string& layer
                                  .append(",")
                                  .append(quoted(p.mode))
                                  .append(",")
-                                 .append(quoted(p.role))
+                                 .append(quoted(p.kind))
+                                 .append(query_sets ? query_set_columns(q) : std::string())
                                  .append("\n");
   for (int m : modalities) {
     const std::int64_t full = r.bytes_full_modality[m], kept = r.bytes_kept_modality[m];
@@ -103,12 +114,21 @@ void write_csv(const std::string& path, const std::vector<PointResult>& points, 
     if (!os) throw ReportError(path, "cannot create " + partial);
     os << "policy,budget,layer,modality,bytes_full,bytes_kept,bytes_ratio,output_error,attention_recall,kl,"
           "entropy_delta,flags,tokens,kept,merged,evicted,share_before,share_after,pareto,budget_value,"
-          "bytes_full_end,bytes_end,bytes_peak,mode,role\n";
+          "bytes_full_end,bytes_end,bytes_peak,mode,kind";
+    if (meta.has_roles) {
+      for (int k = 0; k < kQuerySets; ++k) {
+        const std::string set = query_set_name(k);
+        os << ",output_error_" << set << ",attention_recall_" << set << ",kl_" << set << ",entropy_delta_"
+           << set;
+      }
+    }
+    os << "\n";
     for (const PointResult& p : points) {
       for (const LayerResult& l : p.layers) {
-        write_rows(os, p, std::to_string(l.layer), l.total, flag_names(p, l.layer), modalities);
+        write_rows(os, p, std::to_string(l.layer), l.total, flag_names(p, l.layer), modalities,
+                   meta.has_roles);
       }
-      write_rows(os, p, "all", p.total, flag_names(p, -1), modalities);
+      write_rows(os, p, "all", p.total, flag_names(p, -1), modalities, meta.has_roles);
     }
     os.close();  // sets failbit when the final flush fails
     if (os.fail()) {

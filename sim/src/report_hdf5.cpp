@@ -1,4 +1,4 @@
-// HDF5 results file ("kvscope-results" 1.1), written with the HDF5 C API.
+// HDF5 results file ("kvscope-results" 1.2), written with the HDF5 C API.
 // Layout (normative description: docs/results-format.md):
 //   /            attributes: format, version, trace and model metadata, command line
 //   /points      one entry per point:              [P] and [P, 4] / [P, 6]
@@ -257,6 +257,19 @@ void write_records(const Writer& w, hid_t group, const std::string& gname, const
              [](const HeadResult& r) { return r.quality.kl; });
   scalar_f64("entropy_delta", "H(p~) - H(p), nats",
              [](const HeadResult& r) { return r.quality.entropy_delta; });
+  // Format 1.2: the same four metrics on each query set (docs/metrics.md "Query sets"); NaN for an empty set.
+  for (int k = 0; k < kQuerySets; ++k) {
+    const std::string set = query_set_name(k);
+    const auto i = static_cast<std::size_t>(k);
+    scalar_f64(("output_error_" + set).c_str(), "output error over the " + set + " queries only",
+               [i](const HeadResult& r) { return r.quality.query_sets[i].output_error; });
+    scalar_f64(("attention_recall_" + set).c_str(), "attention recall over the " + set + " queries only",
+               [i](const HeadResult& r) { return r.quality.query_sets[i].attention_recall; });
+    scalar_f64(("kl_" + set).c_str(), "KL over the " + set + " queries only, nats",
+               [i](const HeadResult& r) { return r.quality.query_sets[i].kl; });
+    scalar_f64(("entropy_delta_" + set).c_str(), "entropy change over the " + set + " queries only, nats",
+               [i](const HeadResult& r) { return r.quality.query_sets[i].entropy_delta; });
+  }
   modal_f64("recall_modality", "attention recall per modality (1 where the modality has no mass)",
             &Quality::recall_modality);
   modal_f64("share_before", "full attention mass per modality", &Quality::share_before);
@@ -289,6 +302,10 @@ void write_contents(const Writer& w, hid_t file, const std::vector<PointResult>&
   w.attr_scalar<std::int64_t>(file, "/", "num_decode_steps", meta.num_decode_steps);
   w.attr<std::int64_t>(file, "/", "tokens_per_modality",
                        {meta.tokens_per_modality.begin(), meta.tokens_per_modality.end()}, false);
+  w.attr_scalar<std::uint8_t>(file, "/", "has_roles", meta.has_roles ? 1 : 0);
+  w.attr_scalar<std::int64_t>(file, "/", "question_in_context", meta.steps_in_context);
+  w.attr_scalar<std::int64_t>(file, "/", "answer_queries", meta.query_set_steps[kAnswerQueries]);
+  w.attr_scalar<std::int64_t>(file, "/", "question_queries", meta.query_set_steps[kQuestionQueries]);
   w.attr_string(file, "/", "modalities", kModalityNames);
   w.attr_string(file, "/", "bytes_components", kComponentNames);
 
@@ -301,7 +318,7 @@ void write_contents(const Writer& w, hid_t file, const std::vector<PointResult>&
   {  // /points
     Handle g = group("/points");
     std::vector<const HeadResult*> recs;
-    std::vector<std::string> policy, budget, mode, role;
+    std::vector<std::string> policy, budget, mode, kind;
     std::vector<double> budget_value, seconds;
     std::vector<std::uint8_t> pareto;
     std::vector<std::int32_t> num_flags;
@@ -310,7 +327,7 @@ void write_contents(const Writer& w, hid_t file, const std::vector<PointResult>&
       policy.push_back(p.policy);
       budget.push_back(p.budget);
       mode.push_back(p.mode);
-      role.push_back(p.role);
+      kind.push_back(p.kind);
       budget_value.push_back(p.budget_value);
       seconds.push_back(p.seconds);
       pareto.push_back(p.pareto ? 1 : 0);
@@ -319,7 +336,7 @@ void write_contents(const Writer& w, hid_t file, const std::vector<PointResult>&
     w.strings(g, "/points/policy", policy, "canonical policy name");
     w.strings(g, "/points/budget", budget, "budget as given (fraction, NNtok, NNMiB) or - for budget-free");
     w.strings(g, "/points/mode", mode, "prefill (compressed once after prefill) or decode (evicted during decoding)");
-    w.strings(g, "/points/role", role,
+    w.strings(g, "/points/kind", kind,
               "policy, bound (oracle-topk: reads the evaluation queries) or search (alloc-search:SCORER); "
               "only policy rows can be on the Pareto front");
     w.dataset(g, "/points/budget_value", {P}, budget_value, "requested fraction of tokens kept (1 for -)");

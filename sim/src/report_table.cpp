@@ -131,6 +131,11 @@ std::string table_rows(const std::vector<const PointResult*>& rows, const TableO
   if (audio) cols.push_back({"R_audio", false, {}});
   cols.push_back({"KL", false, {}});
   cols.push_back({"dH", false, {}});
+  // Traces with roles: output error and recall on the answer's queries (err_a, rec_a) and the question's
+  // (err_q, rec_q; "-" where the set is empty).
+  if (options.query_sets) {
+    for (const char* h : {"err_a", "rec_a", "err_q", "rec_q"}) cols.push_back({h, false, {}});
+  }
   // Decode-mode points: resident cache after the last decode step and its peak over the steps,
   // both / the full cache after the last step (prefill-only tables leave these columns out).
   if (decode) {
@@ -157,12 +162,19 @@ std::string table_rows(const std::vector<const PointResult*>& rows, const TableO
     }
     cols[c++].cells.push_back(fmt("%.4f", q.kl));
     cols[c++].cells.push_back(fmt("%+.3f", q.entropy_delta));
+    if (options.query_sets) {
+      for (const QuerySetQuality& qs : q.query_sets) {
+        const bool empty = std::isnan(qs.output_error);
+        cols[c++].cells.push_back(empty ? "-" : fmt("%.4f", qs.output_error));
+        cols[c++].cells.push_back(empty ? "-" : fmt("%.3f", qs.attention_recall));
+      }
+    }
     if (decode) {
       const double full_end = static_cast<double>(p.total.bytes_full_end);
       cols[c++].cells.push_back(full_end > 0 ? fmt("%.3f", static_cast<double>(p.total.bytes_end) / full_end) : "-");
       cols[c++].cells.push_back(full_end > 0 ? fmt("%.3f", static_cast<double>(p.total.bytes_peak) / full_end) : "-");
     }
-    cols[c++].cells.push_back(role_column ? p.role : p.pareto ? "*" : "");
+    cols[c++].cells.push_back(role_column ? p.kind : p.pareto ? "*" : "");
     flags.push_back(flags_cell(p));
   }
 
@@ -202,8 +214,8 @@ std::string format_table(const std::vector<PointResult>& points, const TableOpti
   std::vector<const PointResult*> policies, others;
   bool decode = false;
   for (const PointResult& p : points) {
-    (p.role == "policy" ? policies : others).push_back(&p);
-    decode = decode || (p.role == "policy" && p.mode == "decode");
+    (p.kind == "policy" ? policies : others).push_back(&p);
+    decode = decode || (p.kind == "policy" && p.mode == "decode");
   }
   std::ostringstream out;
   if (!policies.empty() || others.empty()) out << table_rows(policies, options, audio, decode, false);
@@ -219,6 +231,10 @@ std::string format_table(const std::vector<PointResult>& points, const TableOpti
            "error);"
            " flags: blind = visual blindness,\n"
            "drift = semantic drift, repeat = repetition, overcomp = over-compression, with their layers\n";
+    if (options.query_sets) {
+      out << "err_a, rec_a / err_q, rec_q = error and recall on the answer's / the question's decode queries "
+             "only (docs/metrics.md \"Query sets\")\n";
+    }
     if (decode) {
       out << "end, peak = cache (context + decode tokens) after the last decode step and its maximum over the "
              "steps, / the full cache then\n";

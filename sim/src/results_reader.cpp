@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 #include <mutex>
 #include <string>
 #include <system_error>
@@ -271,8 +272,10 @@ struct Records {
   std::vector<std::int64_t> tokens, kept, merged, evicted;
   std::vector<double> output_error, recall, kl, entropy, recall_m, share_before, share_after;
   std::vector<std::int64_t> bytes_full_end, bytes_end, bytes_peak;  // format 1.1; empty in a 1.0 file
+  // Format 1.2: [set][metric] the query-set metrics (output error, recall, KL, entropy change); empty before.
+  std::vector<double> query_sets[kQuerySets][4];
 
-  Records(const Reader& r, const std::string& g, std::vector<hsize_t> lead, bool v11) {
+  Records(const Reader& r, const std::string& g, std::vector<hsize_t> lead, bool v11, bool v12 = false) {
     auto with = [&](hsize_t inner) {
       std::vector<hsize_t> d = lead;
       d.push_back(inner);
@@ -297,6 +300,13 @@ struct Records {
       bytes_full_end = r.dataset<std::int64_t>(g + "/bytes_full_end", lead);
       bytes_end = r.dataset<std::int64_t>(g + "/bytes_end", lead);
       bytes_peak = r.dataset<std::int64_t>(g + "/bytes_peak", lead);
+    }
+    if (v12) {
+      for (int k = 0; k < kQuerySets; ++k) {
+        const std::string set = query_set_name(k);
+        const char* names[4] = {"output_error_", "attention_recall_", "kl_", "entropy_delta_"};
+        for (int m = 0; m < 4; ++m) query_sets[k][m] = r.dataset<double>(g + "/" + names[m] + set, lead);
+      }
     }
   }
 
@@ -324,6 +334,16 @@ struct Records {
     h.quality.attention_recall = recall[i];
     h.quality.kl = kl[i];
     h.quality.entropy_delta = entropy[i];
+    for (int k = 0; k < kQuerySets; ++k) {
+      QuerySetQuality& qs = h.quality.query_sets[static_cast<std::size_t>(k)];
+      if (query_sets[k][0].empty()) {  // before 1.2: not recorded
+        const double nan = std::numeric_limits<double>::quiet_NaN();
+        qs = QuerySetQuality{nan, nan, nan, nan};
+        continue;
+      }
+      qs =
+          QuerySetQuality{query_sets[k][0][i], query_sets[k][1][i], query_sets[k][2][i], query_sets[k][3][i]};
+    }
     if (!bytes_end.empty()) {
       h.bytes_full_end = bytes_full_end[i];
       h.bytes_end = bytes_end[i];
@@ -345,8 +365,10 @@ std::vector<PointResult> read_contents(const Reader& r, ResultsMeta* meta) {
   // 1.1 added bytes_full_end / bytes_end / bytes_peak and /points/mode: required from 1.1 on; a 1.0
   // file reads with those bytes 0 and every point in prefill mode (the only mode 1.0 knew).
   const bool v11 = minor >= 1;
-  // 1.2 added /points/role. An older file's rows are policies, except its "oracle-*" rows: those were
-  // the allocation search of kvsim before 1.2 (role search).
+  // 1.2 added /points/kind. An older file's rows are policies, except its "oracle-*" rows: those were
+  // the allocation search of kvsim before 1.2 (kind search).
+  // 1.2 also added the query-set metrics (output_error_answer, ...) and the role attributes; before 1.2 they
+  // read as NaN (not recorded) and has_roles = false.
   const bool v12 = minor >= 2;
   auto count = [&](const char* name, std::int64_t max) {
     const std::int64_t v = r.attr_i64(name)[0];
@@ -380,6 +402,12 @@ std::vector<PointResult> read_contents(const Reader& r, ResultsMeta* meta) {
     if (tpm.size() != static_cast<std::size_t>(kModalities))
       r.fail("/@tokens_per_modality", "expected 4 values");
     std::copy(tpm.begin(), tpm.end(), meta->tokens_per_modality.begin());
+    if (v12) {
+      meta->has_roles = r.attr_i64("has_roles")[0] != 0;
+      meta->steps_in_context = r.attr_i64("question_in_context")[0];
+      meta->query_set_steps[kAnswerQueries] = r.attr_i64("answer_queries")[0];
+      meta->query_set_steps[kQuestionQueries] = r.attr_i64("question_queries")[0];
+    }
   }
 
   std::vector<PointResult> points(P);
@@ -388,30 +416,30 @@ std::vector<PointResult> read_contents(const Reader& r, ResultsMeta* meta) {
   const std::vector<double> budget_value = r.dataset<double>("/points/budget_value", {P});
   const std::vector<double> seconds = r.dataset<double>("/points/seconds", {P});
   const std::vector<std::uint8_t> pareto = r.dataset<std::uint8_t>("/points/pareto", {P});
-  const Records pr(r, "/points", {P}, v11);
+  const Records pr(r, "/points", {P}, v11, v12);
   const std::vector<std::string> mode =
       v11 ? r.strings("/points/mode", P) : std::vector<std::string>(P, "prefill");
-  std::vector<std::string> role;
+  std::vector<std::string> kind;
   if (v12) {
-    role = r.strings("/points/role", P);
+    kind = r.strings("/points/kind", P);
     for (hsize_t p = 0; p < P; ++p)
-      if (role[p] != "policy" && role[p] != "bound" && role[p] != "search")
-        r.fail("/points/role",
-               "row " + std::to_string(p) + ": '" + role[p] + "' is not policy, bound or search");
+      if (kind[p] != "policy" && kind[p] != "bound" && kind[p] != "search")
+        r.fail("/points/kind",
+               "row " + std::to_string(p) + ": '" + kind[p] + "' is not policy, bound or search");
   } else {
-    for (hsize_t p = 0; p < P; ++p) role.push_back(policy[p].rfind("oracle-", 0) == 0 ? "search" : "policy");
+    for (hsize_t p = 0; p < P; ++p) kind.push_back(policy[p].rfind("oracle-", 0) == 0 ? "search" : "policy");
   }
   const std::vector<std::int32_t> layer = r.dataset<std::int32_t>("/layers/layer", {P, L});
   const std::vector<std::int32_t> merged_heads = r.dataset<std::int32_t>("/layers/merged_heads", {P, L});
-  const Records lr(r, "/layers", {P, L}, v11);
+  const Records lr(r, "/layers", {P, L}, v11, v12);
   const std::vector<std::int32_t> kv_head = r.dataset<std::int32_t>("/heads/kv_head", {P, L, H});
-  const Records hr(r, "/heads", {P, L, H}, v11);
+  const Records hr(r, "/heads", {P, L, H}, v11, v12);
   for (hsize_t p = 0; p < P; ++p) {
     PointResult& pt = points[p];
     pt.policy = policy[p];
     pt.budget = budget[p];
     pt.mode = mode[p];
-    pt.role = role[p];
+    pt.kind = kind[p];
     pt.budget_value = budget_value[p];
     pt.seconds = seconds[p];
     pt.pareto = pareto[p] != 0;

@@ -34,6 +34,14 @@ void accumulate(HeadResult& d, const HeadResult& s, double w) {
   d.quality.attention_recall += w * s.quality.attention_recall;
   d.quality.kl += w * s.quality.kl;
   d.quality.entropy_delta += w * s.quality.entropy_delta;
+  for (std::size_t k = 0; k < static_cast<std::size_t>(kQuerySets); ++k) {
+    QuerySetQuality& a = d.quality.query_sets[k];
+    const QuerySetQuality& b = s.quality.query_sets[k];
+    a.output_error += w * b.output_error;
+    a.attention_recall += w * b.attention_recall;
+    a.kl += w * b.kl;
+    a.entropy_delta += w * b.entropy_delta;
+  }
 }
 
 std::vector<Budget> parse_budget_list(const std::string& text) {
@@ -249,6 +257,13 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
   TraceContext ctx = TraceContext::from_reader(reader);
   if (options.backend) ctx.backend = options.backend;
   require_replayable(reader, "replaying a trace");
+  if (options.question_in_context) move_question_into_context(ctx, reader);
+  out.context_tokens = ctx.T;
+  out.decode_steps = ctx.S;
+  out.steps_in_context = ctx.steps_in_context;
+  out.has_roles = ctx.has_roles;
+  for (int k = 0; k < kQuerySets; ++k)
+    out.query_set_steps[static_cast<std::size_t>(k)] = ctx.query_set_steps(k);
   const int L = ctx.geometry.num_layers;
   // The bound and search rows (docs/policies.md "Bound and search rows in sweeps"): one per distinct
   // token budget fraction < 1 of the requested points (with the budget text of its first point), in
@@ -297,10 +312,10 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
     out.points[i].budget = points[i].budget.text.empty() ? "-" : points[i].budget.text;
     out.points[i].mode = points[i].policy.mode == PolicyMode::kDecode ? "decode" : "prefill";
     if (i >= requested.size() || points[i].policy.stages.scorer == "oracle-topk")
-      out.points[i].role = "bound";
+      out.points[i].kind = "bound";
   }
   for (int l = 0; l < L; ++l) {
-    LayerData layer(l, reader.read_layer(l), reader.read_decode_layer(l), ctx);
+    LayerData layer = read_layer_data(reader, l, ctx);
     if (l == 0) {
       // Adaptive complexity from the original input: log V + log T_text + 2 N_align / (T_text + V),
       // alignment tokens being those whose layer-0 cross-modal attention share exceeds 0.3.
@@ -389,6 +404,7 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
     if (warn[i].size() > 1) line += " (and " + std::to_string(warn[i].size() - 1) + " more layers)";
     out.warnings.push_back(line);
   }
+  finish_query_sets(out, reader.path());
   check_finite(out, reader.path());
   return out;
 }

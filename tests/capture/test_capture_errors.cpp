@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "capture_test_util.hpp"
+#include "kvscope/trace/reader.hpp"
 #include "kvscope/trace/validate.hpp"
 #if defined(KVSCOPE_HAVE_CUDA)
 #include "common/gpu.hpp"
@@ -221,6 +222,59 @@ TEST_F(CaptureErrors, CloseNamesMissingDecodeTokens) {
   EXPECT_EQ(st, KVSCOPE_ERR_STATE);
   EXPECT_STREQ(kvscope_capture_last_error(),
                "kvscope_capture_close: 0 decode tokens recorded for 1 decode steps; trace left incomplete");
+}
+
+// Token roles through the C API: bad codes and a count that does not match the steps are refused in one
+// line; good ones reach the trace (format 1.1).
+TEST_F(CaptureErrors, RolesAreCheckedAndRecorded) {
+  open();
+  set_tokens(cap_, make_tokens(g_.T, false));
+  std::vector<std::uint8_t> ctx(static_cast<std::size_t>(g_.T), KVSCOPE_ROLE_CONTEXT);
+  ctx[0] = KVSCOPE_ROLE_TEMPLATE;
+  std::vector<std::uint8_t> bad = ctx;
+  bad[3] = 4;
+  EXPECT_CAPTURE_ERROR(kvscope_capture_set_token_roles(cap_, bad.data()), KVSCOPE_ERR_ARGUMENT,
+                       "kvscope_capture_set_token_roles: roles[3] = 4 is not a kvscope_role code (0..3)");
+  EXPECT_CAPTURE_ERROR(kvscope_capture_set_token_roles(cap_, nullptr), KVSCOPE_ERR_ARGUMENT, "roles is NULL");
+  ASSERT_EQ(kvscope_capture_set_token_roles(cap_, ctx.data()), KVSCOPE_OK) << kvscope_capture_last_error();
+  EXPECT_CAPTURE_ERROR(kvscope_capture_set_token_roles(cap_, ctx.data()), KVSCOPE_ERR_STATE, "already set");
+  const std::uint8_t steps[3] = {KVSCOPE_ROLE_QUESTION, KVSCOPE_ROLE_ANSWER, 9};
+  EXPECT_CAPTURE_ERROR(kvscope_capture_set_decode_roles(cap_, steps, 3), KVSCOPE_ERR_ARGUMENT,
+                       "roles[2] = 9 is not a kvscope_role code");
+  EXPECT_CAPTURE_ERROR(kvscope_capture_set_decode_roles(cap_, steps, 100), KVSCOPE_ERR_ARGUMENT,
+                       "num_steps 100 out of range [0, 8]");
+  ASSERT_EQ(kvscope_capture_set_decode_roles(cap_, steps, 2), KVSCOPE_OK) << kvscope_capture_last_error();
+  for (int l = 0; l < g_.L; ++l) {
+    ASSERT_EQ(kvscope_capture_prefill_layer(cap_, l, &qt_, &kvt_, &kvt_), KVSCOPE_OK);
+    for (int s = 0; s < 2; ++s)
+      ASSERT_EQ(kvscope_capture_decode_layer(cap_, l, s, &dq_, &dkv_, &dkv_), KVSCOPE_OK);
+  }
+  for (int s = 0; s < 2; ++s)
+    ASSERT_EQ(kvscope_capture_decode_token(cap_, s, 5 + s, 10 + s, nullptr), KVSCOPE_OK);
+  ASSERT_EQ(kvscope_capture_close(cap_), KVSCOPE_OK) << kvscope_capture_last_error();
+  cap_ = nullptr;
+  trace::TraceReader r(path("t.h5"));
+  EXPECT_TRUE(r.has_roles());
+  EXPECT_EQ(r.header().version_minor, 1);
+  EXPECT_EQ(r.tokens().role, ctx);
+  EXPECT_EQ(r.decode_tokens().role, (std::vector<std::uint8_t>{1, 2}));
+}
+
+TEST_F(CaptureErrors, CloseNamesDecodeRolesThatDoNotMatchTheSteps) {
+  open();
+  set_tokens(cap_, make_tokens(g_.T, false));
+  const std::uint8_t steps[2] = {KVSCOPE_ROLE_QUESTION, KVSCOPE_ROLE_ANSWER};
+  ASSERT_EQ(kvscope_capture_set_decode_roles(cap_, steps, 2), KVSCOPE_OK);
+  for (int l = 0; l < g_.L; ++l) {
+    ASSERT_EQ(kvscope_capture_prefill_layer(cap_, l, &qt_, &kvt_, &kvt_), KVSCOPE_OK);
+    ASSERT_EQ(kvscope_capture_decode_layer(cap_, l, 0, &dq_, &dkv_, &dkv_), KVSCOPE_OK);
+  }
+  ASSERT_EQ(kvscope_capture_decode_token(cap_, 0, 5, 10, nullptr), KVSCOPE_OK);
+  const int st = kvscope_capture_close(cap_);
+  cap_ = nullptr;
+  EXPECT_EQ(st, KVSCOPE_ERR_STATE);
+  EXPECT_STREQ(kvscope_capture_last_error(),
+               "kvscope_capture_close: 2 decode roles set for 1 decode steps; trace left incomplete");
 }
 
 // A writer-thread failure (here: a value that is not finite) is reported by the next call.

@@ -259,6 +259,11 @@ TEST_F(CaptureTest, CppWrapperClosesOrAborts) {
   }
   const kvscope_capture_stats s = cap.stats();
   EXPECT_EQ(s.queue_bytes_bound, 256ull << 20);
+  std::vector<std::uint8_t> roles(static_cast<std::size_t>(g.T), KVSCOPE_ROLE_CONTEXT);
+  roles.back() = KVSCOPE_ROLE_QUESTION;
+  cap.set_token_roles(roles);
+  cap.set_decode_roles({});                                       // S = 0
+  EXPECT_THROW(cap.set_decode_roles({}), capture::CaptureError);  // once
   try {
     cap.prefill_layer(0, capture::tensor(q.data(), g.Hq, g.T, g.D),
                       capture::tensor(kv.data(), g.Hkv, g.T, g.D),
@@ -273,6 +278,8 @@ TEST_F(CaptureTest, CppWrapperClosesOrAborts) {
   EXPECT_THROW(cap.range_push("x"), capture::CaptureError);
   const trace::TraceReader r(path("t.h5"));
   EXPECT_EQ(r.num_decode_steps(), 0u);
+  EXPECT_EQ(r.tokens().role, roles);
+  EXPECT_TRUE(r.has_roles());
   EXPECT_EQ(r.read_layer(2).k.at(5), -0.25f);
 }
 

@@ -109,6 +109,47 @@ class BridgeTransformersTest(unittest.TestCase):
             self.assertEqual(f["decode/tokens/text"][0].decode(), f"tok{generated[0]}")
         self.assertNotIn("forward", vars(model.model.layers[0].self_attn))
 
+    def test_multi_token_forward_after_prefill_is_decode_steps(self):
+        """A question fed in one forward after the context: one decode step per token, equal to feeding
+        the tokens one at a time and to the prefill of the whole prompt; roles recorded."""
+        model = transformers.LlamaForCausalLM(tiny_llama_config(64)).eval()
+        ids = torch.tensor([[1, 5, 6, 7, 9, 11, 13, 17, 19]])
+        T, n = 5, 4  # context ids[:5], then 4 tokens in one forward (or one at a time), then one generated
+        runs = {}
+        for name, chunks in (("one", [n]), ("each", [1] * n), ("whole", [])):
+            path = os.path.join(self.tmp.name, f"{name}.h5")
+            ctx = ids if name == "whole" else ids[:, :T]
+            tokens = hf.text_tokens(model.config, ctx[0])
+            if name != "whole":
+                tokens.role = [3] + [0] * (T - 1)
+            with bridge.capture(model, path, tokens=tokens) as cap, torch.no_grad():
+                out = model(ctx, use_cache=True)
+                past, at = out.past_key_values, ctx.shape[1]
+                for c in chunks:
+                    out = model(ids[:, at:at + c], past_key_values=past, use_cache=True,
+                                position_ids=torch.arange(at, at + c)[None])
+                    past, at = out.past_key_values, at + c
+                nxt = out.logits[:, -1:].argmax(-1)
+                model(nxt, past_key_values=past, use_cache=True, position_ids=torch.tensor([[at]]))
+                if name != "whole":
+                    cap.set_decode_roles([1, 1, 1, 3, 2])
+            self.validate(path)
+            runs[name] = h5py.File(path, "r")
+        one, each, whole = runs["one"], runs["each"], runs["whole"]
+        self.assertEqual(one["decode/tokens/token_id"][:n].tolist(), ids[0, T:].tolist())
+        self.assertEqual(one["decode/tokens/position"][:].tolist(), list(range(T, T + n + 1)))
+        self.assertEqual(one["decode/tokens/role"][:].tolist(), [1, 1, 1, 3, 2])
+        self.assertEqual(one["tokens/role"][:].tolist(), [3, 0, 0, 0, 0])
+        self.assertEqual(one.attrs["version"], "1.1")
+        for layer in range(L):
+            for t in "qkv":
+                a = one[f"decode/layers/{layer:03d}/{t}"][:]
+                np.testing.assert_allclose(a, each[f"decode/layers/{layer:03d}/{t}"][:], atol=1e-5)
+                np.testing.assert_allclose(a[:, :n], whole[f"layers/{layer:03d}/{t}"][:, T:], atol=1e-5)
+                np.testing.assert_allclose(a[:, n:], whole[f"decode/layers/{layer:03d}/{t}"][:], atol=1e-5)
+        for f in runs.values():
+            f.close()
+
     def test_llava_generate_captured(self):
         vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                                num_attention_heads=2, image_size=32, patch_size=8)

@@ -97,6 +97,54 @@ class BridgeTinyVlmTest(unittest.TestCase):
             self.skipTest(f"{model_dir} not trained yet")
         self.compare_with_runner(model_dir, [7], "what color is the circle ?")
 
+    def test_multi_token_forward_after_prefill_is_decode_steps(self):
+        """A question fed in one forward after the context is one decode step per token, causal: its q/k/v
+        equal feeding the tokens one at a time and the prefill of the whole prompt; roles are recorded."""
+        model, vocab = load_model(os.path.join(ROOT, "tests/data/tinyvlm-random-none"))
+        ids, tokens = bridge.tinyvlm_prompt(vocab, model.config, "how many shapes are there ?", 1)
+        images = torch.from_numpy(make_scene(7).image[None])
+        n = 5
+        T = len(ids) - n
+        ids_t = torch.tensor(ids)
+        files = {}
+        for name, chunks in (("one", [n]), ("each", [1] * n), ("whole", [])):
+            path = self.path(f"{name}.h5")
+            ctx = dict(vars(tokens))
+            if name != "whole":
+                ctx = {k: (v[:T] if isinstance(v, list) else v) for k, v in ctx.items()}
+                ctx["role"] = [3] + [0] * (T - 1)
+            with bridge.capture(model, path, tokens=bridge.TokenTable(**ctx), token_text=vocab.tokens) as cap, \
+                    torch.no_grad():
+                first = len(ids) if name == "whole" else T
+                logits, past = model.forward(ids_t[:first], images, return_cache=True)
+                at = first
+                for c in chunks:
+                    logits, past = model.forward(ids_t[at:at + c], None, past=past, start_pos=at,
+                                                 return_cache=True)
+                    at += c
+                nxt = torch.argmax(logits[-1]).reshape(1)
+                model.forward(nxt, None, past=past, start_pos=at, return_cache=True)
+                if name != "whole":
+                    cap.set_decode_roles([1] * (n - 1) + [3, 2])
+            self.assertEqual(validate(path)[0], 0, validate(path)[1])
+            files[name] = h5py.File(path, "r")
+        one, each, whole = files["one"], files["each"], files["whole"]
+        self.assertEqual(one["decode/tokens/token_id"][:n].tolist(), ids[T:])
+        self.assertEqual(one["decode/tokens/position"][:].tolist(), list(range(T, T + n + 1)))
+        self.assertEqual(one["decode/tokens/role"][:].tolist(), [1] * (n - 1) + [3, 2])
+        self.assertEqual(one["tokens/role"][0], 3)
+        self.assertEqual(one.attrs["version"], "1.1")
+        for layer in range(int(one.attrs["num_layers"])):
+            for t in "qkv":
+                a = one[f"decode/layers/{layer:03d}/{t}"][:]
+                scale = float(np.abs(a).max())
+                for b in (each[f"decode/layers/{layer:03d}/{t}"][:],
+                          np.concatenate([whole[f"layers/{layer:03d}/{t}"][:, T:],
+                                          whole[f"decode/layers/{layer:03d}/{t}"][:]], axis=1)):
+                    self.assertLessEqual(float(np.abs(a - b).max()) / scale, REL_TOL, f"layer {layer} {t}")
+        for f in files.values():
+            f.close()
+
     def test_exception_in_block_aborts_and_propagates(self):
         model, vocab = load_model(os.path.join(ROOT, "tests/data/tinyvlm-random-none"))
         ids, tokens = bridge.tinyvlm_prompt(vocab, model.config, "how many shapes ?", 1)

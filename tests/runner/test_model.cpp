@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -374,6 +375,91 @@ Generation run(Model& model, const Prompt& p, CacheHook* hook, int max_new = 6) 
   opt.keep_logits = true;
   opt.hook = hook;
   return model.generate(p, opt);
+}
+
+// Every layer's q/k/v per token (prefill rows and decode steps), [layer][token] -> q|k|v rows concatenated.
+class TokenObserver : public RunObserver {
+ public:
+  static std::vector<float> row(const TensorRef& q, const TensorRef& k, const TensorRef& v, std::int64_t t) {
+    std::vector<float> out;
+    for (const TensorRef* r : {&q, &k, &v})
+      for (std::int64_t h = 0; h < r->shape[0]; ++h)
+        for (std::int64_t d = 0; d < r->shape[2]; ++d) out.push_back(r->at(h, t, d));
+    return out;
+  }
+  void on_prefill_layer(int layer, const TensorRef& q, const TensorRef& k, const TensorRef& v) override {
+    for (std::int64_t t = 0; t < q.shape[1]; ++t) prefill[layer].push_back(row(q, k, v, t));
+  }
+  void on_decode_layer(int layer, int step, const TensorRef& q, const TensorRef& k,
+                       const TensorRef& v) override {
+    EXPECT_EQ(static_cast<std::size_t>(step), decode[layer].size());  // steps in order, none skipped
+    for (std::int64_t t = 0; t < q.shape[1]; ++t) decode[layer].push_back(row(q, k, v, t));
+    widest = std::max<std::int64_t>(widest, q.shape[1]);
+  }
+  void on_decode_token(int step, std::int32_t id, std::int32_t position) override {
+    tokens.push_back({step, id, position});
+  }
+  std::map<int, std::vector<std::vector<float>>> prefill, decode;
+  std::vector<std::array<int, 3>> tokens;
+  std::int64_t widest = 0;
+};
+
+TEST(Generation, TokensFedAfterThePrefillAreCausalDecodeStepsEqualToFeedingThemOneAtATime) {
+  Model model = Model::load(testing::fixture_dir("ntk").string());
+  const Prompt whole = model.build_prompt({render_scene(7).image}, "how many shapes are there ?");
+  const int k = 5, T = whole.size() - k;  // the last 5 prompt tokens (question words and <sep>) fed after
+  Prompt context = whole;
+  context.tokens.resize(static_cast<std::size_t>(T));
+  context.text.resize(static_cast<std::size_t>(T));
+  std::vector<std::int32_t> rest;
+  for (int i = T; i < whole.size(); ++i) rest.push_back(whole.tokens[static_cast<std::size_t>(i)].token_id);
+  GenerateOptions base;
+  base.max_new = 4;
+  TokenObserver ref_obs, one_obs, each_obs;
+  GenerateOptions ref = base, one = base, each = base;
+  ref.observer = &ref_obs;
+  one.observer = &one_obs;
+  one.after_prefill = rest;  // one forward of 5 tokens
+  each.observer = &each_obs;
+  each.after_prefill = rest;
+  each.after_prefill_chunk = 1;  // one token per forward
+  const Generation g_ref = model.generate(whole, ref);
+  const Generation g_one = model.generate(context, one);
+  const Generation g_each = model.generate(context, each);
+  EXPECT_EQ(one_obs.widest, k);
+  EXPECT_EQ(each_obs.widest, 1);
+  EXPECT_EQ(g_one.after_prefill_steps, k);
+  EXPECT_EQ(g_one.decode_steps, k + g_ref.decode_steps);
+  EXPECT_EQ(g_one.tokens, g_ref.tokens);  // the same answer
+  EXPECT_EQ(g_each.tokens, g_ref.tokens);
+  ASSERT_EQ(one_obs.tokens.size(), static_cast<std::size_t>(g_one.decode_steps));
+  for (int s = 0; s < k; ++s) {
+    EXPECT_EQ(one_obs.tokens[static_cast<std::size_t>(s)][0], s);
+    EXPECT_EQ(one_obs.tokens[static_cast<std::size_t>(s)][1], rest[static_cast<std::size_t>(s)]);
+    EXPECT_EQ(one_obs.tokens[static_cast<std::size_t>(s)][2], T + s);
+  }
+  for (int l = 0; l < model.config().num_layers; ++l) {
+    SCOPED_TRACE("layer " + std::to_string(l));
+    ASSERT_EQ(one_obs.decode[l].size(), static_cast<std::size_t>(g_one.decode_steps));
+    ASSERT_EQ(each_obs.decode[l].size(), one_obs.decode[l].size());
+    for (int s = 0; s < k; ++s) {
+      const auto& got = one_obs.decode[l][static_cast<std::size_t>(s)];
+      // = the prefill of the whole prompt at that token, and = feeding the tokens one at a time
+      EXPECT_LT(max_abs_diff(got, ref_obs.prefill[l][static_cast<std::size_t>(T + s)]), 1e-4f)
+          << "step " << s;
+      EXPECT_LT(max_abs_diff(got, each_obs.decode[l][static_cast<std::size_t>(s)]), 1e-4f) << "step " << s;
+    }
+    for (std::size_t s = k; s < one_obs.decode[l].size(); ++s)  // the generated steps follow
+      EXPECT_LT(max_abs_diff(one_obs.decode[l][s], ref_obs.decode[l][s - k]), 1e-4f) << "step " << s;
+  }
+  // Not with a cache hook: the hook's decode-step contract is one token per step.
+  class NoHook : public CacheHook {
+    void after_prefill(KvCache&, const std::vector<TokenInfo>&) override {}
+    void after_decode_step(KvCache&, int, const TokenInfo&) override {}
+  } hook;
+  GenerateOptions with_hook = one;
+  with_hook.hook = &hook;
+  EXPECT_THROW(model.generate(context, with_hook), RunnerError);
 }
 
 TEST(CacheHook, KeepingEverythingChangesNothing) {

@@ -16,13 +16,13 @@ done
 rows=$(wc -l < "$dir/r.csv")
 [[ $rows -eq $((4 * 5 * 4 + 1)) ]] || { echo "FAIL csv has $rows lines"; fail=1; }
 # The default sweep adds the oracle-topk bound and the alloc-search:tova rows (one each per budget)
-# beside the policies, in their own table, never on the Pareto front (CSV column role, pareto 0).
+# beside the policies, in their own table, never on the Pareto front (CSV column kind, pareto 0).
 table=$("$kvsim" sweep --trace "$dir/t.h5" --policies h2o --budgets 0.25,0.5 -q --csv "$dir/b.csv" 2>/dev/null)
 bound=$(grep -c '^oracle-topk .* bound' <<<"$table")
 search=$(grep -c '^alloc-search:tova .* search' <<<"$table")
 [[ $bound -eq 2 && $search -eq 2 ]] || { echo "FAIL expected 2 bound and 2 search rows, got $bound and $search"; fail=1; }
 grep -q '^Not policies' <<<"$table" || { echo "FAIL the bound rows are not in their own table"; fail=1; }
-head -1 "$dir/b.csv" | grep -q ',mode,role$' || { echo "FAIL csv lacks the role column"; fail=1; }
+head -1 "$dir/b.csv" | grep -q ',mode,kind$' || { echo "FAIL csv lacks the kind column"; fail=1; }
 bad=$(awk -F, 'NR > 1 && $NF != "policy" && $19 != 0' "$dir/b.csv" | wc -l)
 [[ $bad -eq 0 ]] || { echo "FAIL $bad bound/search csv rows on the Pareto front"; fail=1; }
 [[ $(grep -c ',bound$' "$dir/b.csv") -gt 0 && $(grep -c ',search$' "$dir/b.csv") -gt 0 ]] || { echo "FAIL csv roles"; fail=1; }

@@ -143,8 +143,8 @@ SweepOutput sweep_with_oracle(const std::string& path) {
 std::size_t oracle_points(const SweepOutput& out) {
   std::size_t bound = 0, search = 0;
   for (const auto& pt : out.points) {
-    bound += pt.role == "bound" && pt.policy == "oracle-topk" ? 1 : 0;
-    search += pt.role == "search" && pt.policy == "alloc-search:tova" ? 1 : 0;
+    bound += pt.kind == "bound" && pt.policy == "oracle-topk" ? 1 : 0;
+    search += pt.kind == "search" && pt.policy == "alloc-search:tova" ? 1 : 0;
   }
   return std::min(bound, search);
 }

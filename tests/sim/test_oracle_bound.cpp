@@ -172,7 +172,7 @@ TEST(AllocSearch, NeverWorseThanTheScorerOnEveryShippedTraceAndDefaultBudget) {
       const PointResult& uniform = out.points[b];
       const PointResult& search = out.points[budgets.size() + b];
       ASSERT_EQ(search.policy, "alloc-search:tova");
-      ASSERT_EQ(search.role, "search");
+      ASSERT_EQ(search.kind, "search");
       ASSERT_EQ(search.budget, uniform.budget);
       EXPECT_LE(search.total.quality.output_error, uniform.total.quality.output_error)
           << path << " @" << uniform.budget;

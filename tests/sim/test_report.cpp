@@ -187,7 +187,7 @@ TEST(Csv, RowsColumnsAndValues) {
   EXPECT_EQ(lines[0],
             "policy,budget,layer,modality,bytes_full,bytes_kept,bytes_ratio,output_error,attention_recall,kl,"
             "entropy_delta,flags,tokens,kept,merged,evicted,share_before,share_after,pareto,budget_value,"
-            "bytes_full_end,bytes_end,bytes_peak,mode,role");
+            "bytes_full_end,bytes_end,bytes_peak,mode,kind");
   const std::vector<std::string> header = split(lines[0]);
   auto col = [&](const std::string& name) {
     return static_cast<std::size_t>(std::find(header.begin(), header.end(), name) - header.begin());

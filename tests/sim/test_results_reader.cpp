@@ -243,30 +243,68 @@ TEST(ResultsReader, ReadsFormat10FilesWithoutTheDecodeFields) {
   EXPECT_EQ(got[2].layers[1].heads[1].quality.kl, written[2].layers[1].heads[1].quality.kl);
 }
 
-TEST(ResultsReader, RolesRoundTripAndOlderFilesReadTheirOracleRowsAsSearch) {
+TEST(ResultsReader, KindsRoundTripAndOlderFilesReadTheirOracleRowsAsSearch) {
   std::vector<PointResult> written = testing::sample_points();
-  written[2].role = "bound";
-  written[3].role = "search";
-  const std::string path = temp_path("roles.h5");
+  written[2].kind = "bound";
+  written[3].kind = "search";
+  const std::string path = temp_path("kinds.h5");
   write_hdf5(path, written, testing::sample_meta());
   const std::vector<PointResult> got = read_results_hdf5(path);
   ASSERT_EQ(got.size(), written.size());
-  for (std::size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i].role, written[i].role) << i;
-  // A 1.1 file has no /points/role: its oracle-* rows were the allocation search, the rest policies.
+  for (std::size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i].kind, written[i].kind) << i;
+  // A 1.1 file has no /points/kind: its oracle-* rows were the allocation search, the rest policies.
   std::vector<PointResult> before = testing::sample_points();
   before[3].policy = "oracle-h2o";
-  const std::string v11 = temp_path("v11-roles.h5");
+  const std::string v11 = temp_path("v11-kinds.h5");
   write_hdf5(v11, before, testing::sample_meta());
   const hid_t f = H5Fopen(v11.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
   ASSERT_GE(f, 0);
-  EXPECT_GE(H5Ldelete(f, "/points/role", H5P_DEFAULT), 0);
+  EXPECT_GE(H5Ldelete(f, "/points/kind", H5P_DEFAULT), 0);
   set_root_string(f, "version", "1.1");
   H5Fclose(f);
   const std::vector<PointResult> old = read_results_hdf5(v11);
   ASSERT_EQ(old.size(), before.size());
-  for (std::size_t i = 0; i < old.size(); ++i) EXPECT_EQ(old[i].role, i == 3 ? "search" : "policy") << i;
-  expect_error(broken_file("no-role.h5", [](hid_t f) { H5Ldelete(f, "/points/role", H5P_DEFAULT); }), "/points/role",
+  for (std::size_t i = 0; i < old.size(); ++i) EXPECT_EQ(old[i].kind, i == 3 ? "search" : "policy") << i;
+  expect_error(broken_file("no-kind.h5", [](hid_t f) { H5Ldelete(f, "/points/kind", H5P_DEFAULT); }), "/points/kind",
                "missing dataset");
+}
+
+TEST(ResultsReader, ReadsFormat11FilesWithoutTheQuerySets) {
+  // A 1.1 file: no query-set datasets (output_error_answer, ...) and no role attributes.
+  const std::string path = temp_path("v11.h5");
+  std::vector<PointResult> written = testing::sample_points();
+  written[1].layers[0].heads[1].quality.query_sets[kAnswerQueries].output_error = 0.125;
+  ResultsMeta meta = testing::sample_meta();
+  meta.has_roles = true;
+  meta.query_set_steps = {3, 2};
+  write_hdf5(path, written, meta);
+  {
+    ResultsMeta back;
+    const std::vector<PointResult> got = read_results_hdf5(path, &back);
+    EXPECT_TRUE(back.has_roles);
+    EXPECT_EQ(back.query_set_steps[kQuestionQueries], 2);
+    EXPECT_EQ(got[1].layers[0].heads[1].quality.query_sets[kAnswerQueries].output_error, 0.125);
+  }
+  const hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+  ASSERT_GE(f, 0);
+  for (const char* g : {"/points", "/layers", "/heads"})
+    for (const char* m : {"output_error", "attention_recall", "kl", "entropy_delta"})
+      for (const char* set : {"_answer", "_question"})
+        EXPECT_GE(H5Ldelete(f, (std::string(g) + "/" + m + set).c_str(), H5P_DEFAULT), 0);
+  for (const char* a : {"has_roles", "question_in_context", "answer_queries", "question_queries"})
+    EXPECT_GE(H5Adelete(f, a), 0);
+  set_root_string(f, "version", "1.1");
+  H5Fclose(f);
+  ResultsMeta back;
+  const std::vector<PointResult> got = read_results_hdf5(path, &back);
+  ASSERT_EQ(got.size(), written.size());
+  EXPECT_FALSE(back.has_roles);
+  EXPECT_TRUE(std::isnan(got[1].layers[0].heads[1].quality.query_sets[kAnswerQueries].output_error));
+  EXPECT_TRUE(std::isnan(got[0].total.quality.query_sets[kQuestionQueries].kl));
+  EXPECT_EQ(got[2].layers[1].heads[1].quality.kl, written[2].layers[1].heads[1].quality.kl);
+  // From 1.2 on they are required.
+  expect_error(broken_file("no-answer.h5", [](hid_t h) { H5Ldelete(h, "/layers/kl_answer", H5P_DEFAULT); }),
+               "/layers/kl_answer", "missing dataset");
 }
 
 TEST(ResultsReader, Format11RequiresTheDecodeFields) {

@@ -8,7 +8,10 @@
 #include <set>
 #include <sstream>
 
+#include "kvscope/closedloop/evaluate.hpp"
 #include "kvscope/closedloop/tasks.hpp"
+#include "kvscope/runner/chat_template.hpp"
+#include "kvscope/runner/tokenizer.hpp"
 
 namespace fs = std::filesystem;
 using namespace kvscope::closedloop;
@@ -209,3 +212,78 @@ TEST(TaskMatch, AnswerMatches) {
 }
 
 }  // namespace
+
+namespace kvscope::closedloop {
+namespace {
+
+// One token per byte (its text the byte): roles are then visible byte by byte.
+class ByteTokenizer final : public runner::Tokenizer {
+ public:
+  ByteTokenizer() {
+    for (int i = 0; i < 256; ++i) bytes_.push_back(std::string(1, static_cast<char>(i)));
+  }
+  int size() const override { return 256; }
+  const std::string& text(int id) const override { return bytes_.at(static_cast<std::size_t>(id)); }
+  std::vector<std::int32_t> encode(const std::string& t) const override {
+    std::vector<std::int32_t> ids;
+    for (char c : t) ids.push_back(static_cast<unsigned char>(c));
+    return ids;
+  }
+  std::string decode(const std::vector<std::int32_t>& ids) const override {
+    std::string s;
+    for (auto i : ids) s += bytes_.at(static_cast<std::size_t>(i));
+    return s;
+  }
+  bool is_special(int) const override { return false; }
+
+ private:
+  std::vector<std::string> bytes_;
+};
+
+TEST(TaskRoles, RolesFollowThePromptParts) {
+  if (!fs::is_directory("/usr/share/common-licenses")) GTEST_SKIP() << "needs Debian's base-files";
+  const std::string smol =  // SmolLM2-135M-Instruct's chat_template.jinja
+      "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ "
+      "'<|im_start|>system\n"
+      "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
+      "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+      "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+  const runner::ChatTemplate chat = runner::ChatTemplate::parse(smol, "chat_template.jinja");
+  const Haystack hay = load_haystack(default_haystack_paths());
+  const TaskSample s = make_task_samples("passkey", 512, 1, 0, hay, approx_token_count)[0];
+  ASSERT_EQ(s.user.substr(s.question_char), s.question);
+  EXPECT_EQ(s.question, "What is the pass key? It is a five-digit number.");
+  ByteTokenizer tok;
+  const std::string text = task_prompt_text(chat, s);
+  const std::vector<std::int32_t> ids = tok.encode(text);
+  const std::vector<std::uint8_t> roles = task_token_roles(tok, ids, chat, s);
+  ASSERT_EQ(roles.size(), text.size());
+  std::string by_role[4];
+  for (std::size_t i = 0; i < text.size(); ++i) by_role[roles[i]] += text[i];
+  EXPECT_EQ(by_role[1], s.question);       // question
+  EXPECT_EQ(by_role[2], s.answer_prefix);  // answer: the pre-filled prefix
+  EXPECT_EQ(by_role[0], s.user.substr(s.context_char, s.question_char - s.context_char));  // the haystack
+  EXPECT_NE(by_role[0].find("The pass key is " + s.answer + "."), std::string::npos);
+  EXPECT_EQ(by_role[3].rfind("<|im_start|>system\n", 0), 0u)
+      << by_role[3];  // template: system, intro, markup
+  EXPECT_NE(by_role[3].find("There is a pass key hidden in the text below."), std::string::npos);
+  EXPECT_NE(by_role[3].find("<|im_end|>\n<|im_start|>assistant\n"), std::string::npos);
+  // One contiguous run each: template, context, question, template, answer.
+  int runs = 1;
+  for (std::size_t i = 1; i < roles.size(); ++i) runs += roles[i] != roles[i - 1];
+  EXPECT_EQ(runs, 5);
+  // Tokens that do not spell the prompt are refused in one line.
+  std::vector<std::int32_t> wrong = ids;
+  wrong[3] = 'Z';
+  try {
+    task_token_roles(tok, wrong, chat, s);
+    ADD_FAILURE() << "accepted";
+  } catch (const TaskError& e) {
+    EXPECT_NE(std::string(e.what()).find("token 3 does not spell the prompt text at byte 3"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace kvscope::closedloop

@@ -1,6 +1,7 @@
 // Trace format v1: writer/reader round trips for every dtype, (layer, head)
 // slices, profile records, bounded memory, and every bad-input case.
 #include <gtest/gtest.h>
+#include <hdf5.h>
 #include <sys/resource.h>
 
 #include <cstdlib>
@@ -266,6 +267,118 @@ TEST(TraceReader, PeakMemoryIsBoundedByOneLayer) {
   EXPECT_DOUBLE_EQ(checksum, 24 * 0.5);
   EXPECT_LT(static_cast<double>(grown_kib) * 1024.0, 2.0 * static_cast<double>(layer_bytes))
       << "peak RSS grew by " << grown_kib << " KiB while reading 24 layers of " << layer_bytes / 1024 << " KiB";
+}
+
+}  // namespace
+
+// ---- token roles (format 1.1, docs/trace-format.md section 2a) ----
+namespace {
+
+// A role dataset written with h5py-like raw HDF5 (any integer type), to test what the reader refuses.
+void write_raw_roles(const std::string& path, const char* dataset, const std::vector<std::int64_t>& values) {
+  const hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+  ASSERT_GE(f, 0);
+  const hsize_t n = values.size();
+  const hid_t space = H5Screate_simple(1, &n, nullptr);
+  const hid_t d = H5Dcreate2(f, dataset, H5T_STD_I64LE, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+  ASSERT_GE(d, 0);
+  H5Dwrite(d, H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, values.data());
+  H5Dclose(d);
+  H5Sclose(space);
+  H5Fclose(f);
+}
+
+TEST(TraceRoles, WithoutRolesTheTraceStaysVersion10AndReadsWithDefaults) {
+  const std::string path = (temp_dir() / "roles_none.h5").string();
+  Handmade(DType::kF16).write(path);
+  TraceReader r(path);
+  EXPECT_EQ(r.header().version_minor, 0);  // byte for byte what a 1.0 writer wrote
+  EXPECT_FALSE(r.has_roles());
+  EXPECT_EQ(r.tokens().role, std::vector<std::uint8_t>(5, static_cast<std::uint8_t>(Role::kContext)));
+  EXPECT_EQ(r.decode_tokens().role, std::vector<std::uint8_t>(2, static_cast<std::uint8_t>(Role::kAnswer)));
+}
+
+TEST(TraceRoles, RolesRoundTripAndMakeTheTraceVersion11) {
+  const std::string path = (temp_dir() / "roles_rt.h5").string();
+  Handmade h(DType::kF32);
+  h.tokens.role = {3, 0, 0, 0, 1};
+  {
+    TraceWriter w(path, h.header, h.T, h.S);
+    w.write_tokens(h.tokens);
+    w.write_decode_tokens({5, 6}, {5, 6}, {}, {1, 2});
+    for (int l = 0; l < 2; ++l) {
+      const auto q = h.tensor(l, 0, 4 * 5 * 3), k = h.tensor(l, 1, 2 * 5 * 3);
+      w.write_layer(l, {q.data(), DType::kF32, {4, 5, 3}}, {k.data(), DType::kF32, {2, 5, 3}},
+                    {k.data(), DType::kF32, {2, 5, 3}});
+      const auto dq = h.tensor(l, 3, 4 * 2 * 3), dk = h.tensor(l, 4, 2 * 2 * 3);
+      w.write_decode_layer(l, {dq.data(), DType::kF32, {4, 2, 3}}, {dk.data(), DType::kF32, {2, 2, 3}},
+                           {dk.data(), DType::kF32, {2, 2, 3}});
+    }
+    w.close();
+  }
+  TraceReader r(path);
+  EXPECT_EQ(r.header().version_minor, 1);
+  EXPECT_TRUE(r.has_roles());
+  EXPECT_EQ(r.tokens().role, (std::vector<std::uint8_t>{3, 0, 0, 0, 1}));
+  EXPECT_EQ(r.decode_tokens().role, (std::vector<std::uint8_t>{1, 2}));
+  const ValidationReport v = validate_trace(path);
+  EXPECT_TRUE(v.ok) << v.message;
+  EXPECT_NE(v.message.find("v1.1"), std::string::npos) << v.message;
+}
+
+TEST(TraceRoles, WriterAddsTokenRolesLaterAndRefusesBadCodes) {
+  const std::string path = (temp_dir() / "roles_late.h5").string();
+  Handmade h(DType::kF16);
+  {
+    TraceWriter w(path, h.header, h.T, h.S);
+    w.write_tokens(h.tokens);
+    w.write_token_roles({0, 0, 0, 1, 3});
+    EXPECT_THROW(w.write_token_roles({0, 0, 0, 1, 3}), TraceError);  // twice
+    try {
+      w.write_decode_tokens({5, 6}, {5, 6}, {}, {2, 9});
+      ADD_FAILURE() << "role code 9 accepted";
+    } catch (const TraceError& e) {
+      EXPECT_NE(std::string(e.what()).find("bad role code 9 at index 1"), std::string::npos) << e.what();
+    }
+  }
+  TraceReader r(path, ReaderOptions{false, true});
+  EXPECT_EQ(r.tokens().role, (std::vector<std::uint8_t>{0, 0, 0, 1, 3}));
+  EXPECT_EQ(r.header().version_minor, 1);
+}
+
+TEST(TraceRoles, ReaderRefusesBadRoleCodesAndShapesInOneLine) {
+  struct Case {
+    const char* dataset;
+    std::vector<std::int64_t> values;
+    const char* expected;
+  };
+  const Case cases[] = {
+      {"/tokens/role",
+       {0, 0, 7, 0, 0},
+       "/tokens/role: bad role code 7 at index 2 (allowed: 0 context, 1 question"},
+      {"/tokens/role", {0, 0, 0, 0, -1}, "/tokens/role: bad role code -1 at index 4"},
+      {"/decode/tokens/role", {2, 300}, "/decode/tokens/role: bad role code 300 at index 1"},
+      {"/tokens/role", {0, 0}, "/tokens/role: shape (2)"},
+  };
+  int i = 0;
+  for (const Case& c : cases) {
+    const std::string path = (temp_dir() / ("roles_bad" + std::to_string(i++) + ".h5")).string();
+    Handmade(DType::kF16).write(path);
+    write_raw_roles(path, c.dataset, c.values);
+    try {
+      TraceReader r(path);
+      ADD_FAILURE() << c.dataset << " accepted";
+    } catch (const TraceError& e) {
+      const std::string msg = e.what();
+      EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+      EXPECT_EQ(msg.rfind(path, 0), 0u) << msg;
+      if (std::string(c.expected).find("shape") != std::string::npos) {
+        EXPECT_NE(msg.find("/tokens/role: shape [2], expected [5]"), std::string::npos) << msg;
+      } else {
+        EXPECT_NE(msg.find(c.expected), std::string::npos) << msg;
+      }
+    }
+  }
 }
 
 }  // namespace

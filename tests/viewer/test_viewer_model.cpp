@@ -63,9 +63,9 @@ TEST(ViewerModel, ReportsBadFilesWithTheirName) {
 TEST(ViewerModel, FindsPointsAndOracles) {
   std::vector<sim::PointResult> pts = testing::sample_points();
   pts.push_back(testing::sample_point("alloc-search:h2o", "0.3", 0.3, 0.05, {}));
-  pts.back().role = "search";
+  pts.back().kind = "search";
   pts.push_back(testing::sample_point("oracle-topk", "0.3", 0.3, 0.01, {}));
-  pts.back().role = "bound";
+  pts.back().kind = "bound";
   const std::string results = temp_path("with-oracle.h5");
   sim::write_hdf5(results, pts, testing::sample_meta());
   Model m;
@@ -75,7 +75,7 @@ TEST(ViewerModel, FindsPointsAndOracles) {
   EXPECT_EQ(m.find_point("random", "0.6"), 3);
   EXPECT_EQ(m.find_point("random", "0.7"), -1);
   EXPECT_EQ(m.search_point_for(0), 4);  // h2o@0.3 -> the allocation search at the same memory, not the bound
-  EXPECT_EQ(m.points()[5].role, "bound");  // the role read back from the file
+  EXPECT_EQ(m.points()[5].kind, "bound");  // the kind read back from the file
   EXPECT_EQ(m.policies(), (std::vector<std::string>{"h2o", "random", "alloc-search:h2o", "oracle-topk"}));
 }
 

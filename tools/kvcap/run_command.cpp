@@ -3,6 +3,7 @@
 // and ranges into a trace via the capture C API.
 #include "run_command.hpp"
 
+#include <algorithm>
 #include <boost/program_options.hpp>
 #include <cstdio>
 #include <filesystem>
@@ -17,6 +18,7 @@
 #include "kvscope/kernels/common.hpp"
 #include "kvscope/runner/error.hpp"
 #include "kvscope/runner/model.hpp"
+#include "kvscope/trace/schema.hpp"
 #include "kvscope_capture.h"
 
 namespace kvscope::cli {
@@ -65,6 +67,20 @@ kvscope_tensor to_c(const runner::TensorRef& r) {
   return t;
 }
 
+// Token i of a [heads, n, D] tensor as a [heads, 1, D] view (same strides).
+runner::TensorRef token_slice(const runner::TensorRef& r, std::int64_t i) {
+  runner::TensorRef out = r;
+  const std::int64_t stride = r.stride[1] ? r.stride[1] : r.shape[2];
+  out.data = r.data + i * stride;
+  out.shape[1] = 1;
+  if (!r.stride[0] && !r.stride[1] && !r.stride[2]) {  // contiguous [heads, n, D]
+    out.stride[0] = r.shape[1] * r.shape[2];
+    out.stride[1] = r.shape[2];
+    out.stride[2] = 1;
+  }
+  return out;
+}
+
 // Forwards the runner's reports to an open capture. Range pops come from destructors, so their failures are
 // kept and rethrown by the next call (or by finish()).
 class CaptureObserver final : public runner::RunObserver {
@@ -76,11 +92,16 @@ class CaptureObserver final : public runner::RunObserver {
     const kvscope_tensor tq = to_c(q), tk = to_c(k), tv = to_c(v);
     check(kvscope_capture_prefill_layer(c_, layer, &tq, &tk, &tv), "recording a prefill layer");
   }
+  // A forward of n tokens after the prefill is n decode steps: token i's q/k/v are step step + i.
   void on_decode_layer(int layer, int step, const runner::TensorRef& q, const runner::TensorRef& k,
                        const runner::TensorRef& v) override {
     rethrow();
-    const kvscope_tensor tq = to_c(q), tk = to_c(k), tv = to_c(v);
-    check(kvscope_capture_decode_layer(c_, layer, step, &tq, &tk, &tv), "recording a decode step");
+    for (std::int64_t i = 0; i < q.shape[1]; ++i) {
+      const kvscope_tensor tq = to_c(token_slice(q, i)), tk = to_c(token_slice(k, i)),
+                           tv = to_c(token_slice(v, i));
+      check(kvscope_capture_decode_layer(c_, layer, step + static_cast<int>(i), &tq, &tk, &tv),
+            "recording a decode step");
+    }
   }
   void on_decode_token(int step, std::int32_t token_id, std::int32_t position) override {
     rethrow();
@@ -148,6 +169,10 @@ po::options_description make_options() {
       "    assistant turn opened; or --task: sample I of a long-context task (docs/tasks.md), exactly the\n"
       "    prompt kvcap eval --task runs (chat template, answer prefix pre-filled), with its answer "
       "checked.\n"
+      "    The prefill is the context (system prompt, intro, haystack); the rest of the prompt (question,\n"
+      "    end of the user turn, answer prefix) is fed after it in one forward (--question-chunk) and\n"
+      "    recorded as decode steps, then the answer is generated; every token's role (context, question,\n"
+      "    answer, template) is written (docs/trace-format.md). --whole-prompt prefills it all instead.\n"
       "Generates the answer greedily (prefill, then each generated token fed back until an EOS token,\n"
       "--max-new tokens or the end of the context) and records per layer the prefill Q, K (after RoPE) and "
       "V,\n"
@@ -177,6 +202,12 @@ po::options_description make_options() {
       "sample", po::value<int>()->default_value(0), "with --task: the sample index (0 .. 99999)")(
       "haystack", po::value<std::vector<std::string>>(),
       "with --task: prose files or directories (repeatable; default /usr/share/common-licenses)")(
+      "whole-prompt", po::bool_switch(),
+      "with --task: prefill the whole prompt (question included) instead of prefilling the context and "
+      "feeding the rest as decode steps")(
+      "question-chunk", po::value<int>()->default_value(0),
+      "with --task: feed the tokens after the context in forwards of N tokens (0 = one forward; 1 = one "
+      "token at a time)")(
       "max-new", po::value<int>(),
       "at most this many generated tokens (1..1024; default 16 for the tiny VLM, 64 for a text model)")(
       "device", po::value<std::string>()->default_value("cpu"),
@@ -252,8 +283,8 @@ int run_command(const std::vector<std::string>& args) {
       }
     }
   } else {
-    for (const char* text_only :
-         {"prompt", "prompt-file", "chat", "task", "length", "seed", "sample", "haystack"}) {
+    for (const char* text_only : {"prompt", "prompt-file", "chat", "task", "length", "seed", "sample",
+                                  "haystack", "whole-prompt", "question-chunk"}) {
       if (vm.count(text_only) && !vm[text_only].defaulted()) {
         return fail(std::string("--") + text_only + " is for text models; " + model_dir +
                     " is the tiny VLM (use --image or --scene and --question)");
@@ -286,7 +317,7 @@ int run_command(const std::vector<std::string>& args) {
   std::string question, prompt_text;
   const bool task = vm.count("task") != 0;
   if (!task) {
-    for (const char* task_only : {"length", "seed", "sample", "haystack"}) {
+    for (const char* task_only : {"length", "seed", "sample", "haystack", "whole-prompt", "question-chunk"}) {
       if (vm.count(task_only) && !vm[task_only].defaulted())
         return fail(std::string("--") + task_only + " needs --task");
     }
@@ -305,6 +336,9 @@ int run_command(const std::vector<std::string>& args) {
       }
       if (sample < 0 || sample > 99999)
         return fail("--sample must be in 0..99999, got " + std::to_string(sample));
+      const int chunk = vm["question-chunk"].as<int>();
+      if (chunk < 0 || chunk > 1000000)
+        return fail("--question-chunk must be in 0..1000000, got " + std::to_string(chunk));
       haystack =
           closedloop::load_haystack(vm.count("haystack") ? vm["haystack"].as<std::vector<std::string>>()
                                                          : closedloop::default_haystack_paths());
@@ -325,6 +359,8 @@ int run_command(const std::vector<std::string>& args) {
   std::optional<runner::Model> model;
   runner::Prompt prompt;
   std::optional<closedloop::TaskSample> task_sample;
+  std::vector<std::uint8_t> prompt_roles;   // --task: role of every prompt token
+  std::vector<std::int32_t> after_prefill;  // --task: tokens fed after the prefill (decode steps)
   try {
     model.emplace(
         runner::Model::load(model_dir, device_name == "cuda" ? runner::Device::kCuda : runner::Device::kCpu));
@@ -335,8 +371,21 @@ int run_command(const std::vector<std::string>& args) {
           vm["task"].as<std::string>(), vm["length"].as<int>(), vm["sample"].as<int>() + 1,
           vm["seed"].as<unsigned long long>(), haystack, closedloop::token_counter(model->tokenizer()));
       task_sample = samples.back();
+      // Roles of the whole prompt; without --whole-prompt the prefill is the prompt up to the question
+      // and the rest (question, end of the user turn, answer prefix) is fed after it as decode steps.
+      const std::vector<std::int32_t> ids =
+          model->tokenizer().encode(closedloop::task_prompt_text(chat_template, *task_sample));
+      prompt_roles = closedloop::task_token_roles(model->tokenizer(), ids, chat_template, *task_sample);
+      std::size_t split = ids.size();
+      if (!vm["whole-prompt"].as<bool>()) {
+        split = static_cast<std::size_t>(std::find(prompt_roles.begin(), prompt_roles.end(),
+                                                   static_cast<std::uint8_t>(trace::Role::kQuestion)) -
+                                         prompt_roles.begin());
+        if (split == 0 || split == ids.size()) return fail("task prompt without a context or a question");
+      }
       prompt = model->build_prompt_from_ids(
-          model->tokenizer().encode(closedloop::task_prompt_text(chat_template, *task_sample)));
+          std::vector<std::int32_t>(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(split)));
+      after_prefill.assign(ids.begin() + static_cast<std::ptrdiff_t>(split), ids.end());
     } else if (text_model) {
       prompt = chat ? model->build_chat_prompt(prompt_text) : model->build_text_prompt(prompt_text);
     } else {
@@ -372,7 +421,7 @@ int run_command(const std::vector<std::string>& args) {
   const std::string device_label = model->backend().device_name();
   cfg.device = device_label.c_str();
   cfg.dtype = dtype;
-  cfg.max_decode_steps = max_new;
+  cfg.max_decode_steps = max_new + static_cast<int>(after_prefill.size());
   cfg.profile = 1;
   kvscope_capture* cap = nullptr;
   if (kvscope_capture_open(out.c_str(), &cfg, prompt.size(), &cap) != KVSCOPE_OK) {
@@ -404,8 +453,20 @@ int run_command(const std::vector<std::string>& args) {
     runner::GenerateOptions gopt;
     gopt.max_new = max_new;
     gopt.observer = &observer;
+    gopt.after_prefill = after_prefill;
+    gopt.after_prefill_chunk = task ? vm["question-chunk"].as<int>() : 0;
     gen = model->generate(prompt, gopt);
     observer.rethrow();
+    if (task) {
+      // Roles: the prefill's from the prompt; decode steps: the fed prompt tokens', then answer.
+      check(kvscope_capture_set_token_roles(cap, prompt_roles.data()), "setting token roles");
+      std::vector<std::uint8_t> decode_roles(prompt_roles.begin() + prompt.size(), prompt_roles.end());
+      decode_roles.resize(static_cast<std::size_t>(gen.decode_steps),
+                          static_cast<std::uint8_t>(trace::Role::kAnswer));
+      check(kvscope_capture_set_decode_roles(cap, decode_roles.data(),
+                                             static_cast<std::int64_t>(decode_roles.size())),
+            "setting decode roles");
+    }
   } catch (const std::exception& e) {
     kvscope_capture_abort(cap);
     std::error_code ec;
@@ -436,6 +497,15 @@ int run_command(const std::vector<std::string>& args) {
   std::printf("wrote %s: %d context tokens, %d decode steps, %d layers, %d/%d heads, %s\n", out.c_str(),
               prompt.size(), gen.decode_steps, mc.num_layers, mc.num_q_heads, mc.num_kv_heads,
               dtype_name.c_str());
+  if (task) {
+    int counts[trace::kNumRoles] = {};
+    for (std::uint8_t r : prompt_roles) ++counts[r];
+    std::printf(
+        "roles: %d context, %d question, %d template, %d answer prefix tokens; %d of them fed after the "
+        "prefill as decode steps, then %d generated\n",
+        counts[0], counts[1], counts[3], counts[2], gen.after_prefill_steps,
+        gen.decode_steps - gen.after_prefill_steps);
+  }
   return kExitOk;
 }
 

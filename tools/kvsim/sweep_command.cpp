@@ -112,13 +112,19 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
       "backend", po::value<std::string>()->default_value("auto"),
       "kernels to run on: cpu, cuda (exit 2 without a CUDA build or GPU), or auto (CUDA when this kvsim was "
       "built with it and a GPU is present, else CPU); the choice is printed in the summary on stdout")(
+      "question-in-context",
+      "traces with roles (kvcap run --task): move the decode steps before the first answer step (the "
+      "question "
+      "and the template tokens around it) into the compressed context, so T grows by their number and the "
+      "answer steps are the evaluation queries (default: the question arrives after compression, as decode "
+      "steps kept exact in prefill mode; docs/metrics.md \"Query sets\")")(
       "layers", "also print the per-layer table of each point")(
       "explain", "print the evidence and suggested fix of every collapse flag (default: Pareto points only)")(
       "blind-recall", po::value<double>()->default_value(0.5, "0.5"),
-      "visual blindness: vision recall threshold")(
-      "kl-threshold", po::value<double>()->default_value(0.1, "0.1"),
-      "over-compression: KL threshold in the last layers")("quiet,q", "no progress bar")(
-      "trusted-files", trace::kTrustedFilesHelp);
+      "visual blindness: vision recall threshold")("kl-threshold",
+                                                   po::value<double>()->default_value(0.1, "0.1"),
+                                                   "over-compression: KL threshold in the last layers")(
+      "quiet,q", "no progress bar")("trusted-files", trace::kTrustedFilesHelp);
   po::variables_map vm;
   const std::string name = "kvsim " + command;
   if (const auto exit = cli::parse_options(name, args, opts, vm, "\n" + policy_help(registry))) return *exit;
@@ -184,6 +190,7 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
     const TraceSummary summary = summarize(reader);
     SweepOptions so;
     so.backend = backend;
+    so.question_in_context = vm.count("question-in-context") != 0;
     so.thresholds.blind_recall = vm["blind-recall"].as<double>();
     so.thresholds.overcompression_kl = vm["kl-threshold"].as<double>();
     if (sweep) {
@@ -214,13 +221,23 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
     SweepOutput out = run_sweep(reader, points, so);
     bar.finish();
     // The Pareto front is over the policies; bound and search rows are not policies.
-    mark_pareto(out.points, [](const PointResult& pt) { return pt.role == "policy"; });
+    mark_pareto(out.points, [](const PointResult& pt) { return pt.kind == "policy"; });
     for (const auto& w : out.warnings) std::cerr << name << ": warning: " << w << "\n";
     std::cout << "trace " << reader.path() << ": " << summary.header.geometry.model_name
               << (summary.header.synthetic ? " (SYNTHETIC)" : "") << ", " << summary.num_tokens << " tokens ("
               << summary.tokens_per_modality[0] << " text, " << summary.tokens_per_modality[1] << " vision, "
               << summary.tokens_per_modality[2] << " audio, " << summary.tokens_per_modality[3] << " special), "
               << summary.num_decode_steps << " evaluation queries, " << summary.header.geometry.num_layers << " layers\n";
+    if (out.has_roles) {
+      std::cout << "roles: "
+                << (out.steps_in_context > 0
+                        ? "question in the compressed context (" + std::to_string(out.steps_in_context) +
+                              " decode steps moved into it: " + std::to_string(out.context_tokens) +
+                              " context tokens, " + std::to_string(out.decode_steps) + " evaluation queries)"
+                        : std::string("question after compression"))
+                << "; query sets: " << out.query_set_steps[kAnswerQueries] << " answer, "
+                << out.query_set_steps[kQuestionQueries] << " question steps\n";
+    }
     // Which backend computed the results (with the reason when auto fell back to the CPU): part of the
     // summary on stdout, so that stderr holds only progress and, on failure, the one-line error.
     std::cout << "backend " << backend->description();
@@ -229,7 +246,9 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
                 << ")";
     }
     std::cout << "\n\n";
-    std::cout << format_table(out.points);
+    TableOptions table;
+    table.query_sets = out.has_roles;
+    std::cout << format_table(out.points, table);
     for (const auto& pt : out.points) {
       if (!vm.count("explain") && !pt.pareto && out.points.size() > 1) continue;
       for (const auto& f : pt.flags) {
@@ -251,7 +270,14 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
         std::fflush(stdout);
       }
     }
-    const ResultsMeta meta = results_meta(summary, argv_line);
+    ResultsMeta meta = results_meta(summary, argv_line);
+    meta.has_roles = out.has_roles;
+    meta.steps_in_context = out.steps_in_context;
+    meta.num_tokens = out.context_tokens;
+    meta.num_decode_steps = out.decode_steps;
+    meta.tokens_per_modality[static_cast<std::size_t>(kernels::Modality::kText)] += out.steps_in_context;
+    for (int k = 0; k < kQuerySets; ++k)
+      meta.query_set_steps[static_cast<std::size_t>(k)] = out.query_set_steps[static_cast<std::size_t>(k)];
     if (vm.count("output")) {
       write_hdf5(vm["output"].as<std::string>(), out.points, meta);
       std::cout << "\nresults: " << vm["output"].as<std::string>() << "\n";

@@ -135,6 +135,24 @@ KVSCOPE_CAPTURE_API int kvscope_capture_decode_layer(kvscope_capture* c, int32_t
 KVSCOPE_CAPTURE_API int kvscope_capture_decode_token(kvscope_capture* c, int32_t step, int32_t token_id,
                                                      int32_t position, const char* text);
 
+/* Token roles (trace format 1.1; kvscope_role codes: what part of the prompt a token is). Optional: a
+ * trace without them reads as every context token KVSCOPE_ROLE_CONTEXT and every decode step
+ * KVSCOPE_ROLE_ANSWER. Both may be called any time before kvscope_capture_close, each at most once. */
+typedef enum kvscope_role {
+  KVSCOPE_ROLE_CONTEXT = 0,  /* the material the question is about (document, haystack, images) */
+  KVSCOPE_ROLE_QUESTION = 1, /* the question / instruction */
+  KVSCOPE_ROLE_ANSWER = 2,   /* the answer: a pre-filled answer prefix and the generated tokens */
+  KVSCOPE_ROLE_TEMPLATE = 3  /* chat-template markup, system prompt */
+} kvscope_role;
+
+/* Roles of the context_tokens context tokens (/tokens/role). */
+KVSCOPE_CAPTURE_API int kvscope_capture_set_token_roles(kvscope_capture* c, const uint8_t* roles);
+
+/* Roles of decode steps 0..num_steps-1 (/decode/tokens/role); at close num_steps must equal the number of
+ * decode steps recorded. */
+KVSCOPE_CAPTURE_API int kvscope_capture_set_decode_roles(kvscope_capture* c, const uint8_t* roles,
+                                                         int64_t num_steps);
+
 /* Named ranges (NVTX domain "kvscope" on every build with NVTX; timed with a steady clock into
  * /profile/ranges when config.profile = 1). Pushes and pops must nest. */
 KVSCOPE_CAPTURE_API int kvscope_capture_range_push(kvscope_capture* c, const char* name);

@@ -124,6 +124,18 @@ int kvscope_capture_decode_token(kvscope_capture* c, int32_t step, int32_t token
   return guarded(where, [&] { c->session->decode_token(step, token_id, position, text); });
 }
 
+int kvscope_capture_set_token_roles(kvscope_capture* c, const uint8_t* roles) {
+  const char* where = "kvscope_capture_set_token_roles";
+  if (!c) return null_handle(where);
+  return guarded(where, [&] { c->session->set_token_roles(roles); });
+}
+
+int kvscope_capture_set_decode_roles(kvscope_capture* c, const uint8_t* roles, int64_t num_steps) {
+  const char* where = "kvscope_capture_set_decode_roles";
+  if (!c) return null_handle(where);
+  return guarded(where, [&] { c->session->set_decode_roles(roles, num_steps); });
+}
+
 int kvscope_capture_range_push(kvscope_capture* c, const char* name) {
   const char* where = "kvscope_capture_range_push";
   if (!c) return null_handle(where);

@@ -285,6 +285,44 @@ void Session::decode_token(std::int32_t step, std::int32_t token_id, std::int32_
   decode_has_text_ |= text != nullptr;
 }
 
+namespace {
+void check_role_codes(const char* where, const std::uint8_t* roles, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) {
+    if (roles[i] >= trace::kNumRoles) {
+      fail(KVSCOPE_ERR_ARGUMENT, std::string(where) + ": roles[" + std::to_string(i) + "] = " +
+                                     std::to_string(roles[i]) + " is not a kvscope_role code (0..3)");
+    }
+  }
+}
+}  // namespace
+
+void Session::set_token_roles(const std::uint8_t* roles) {
+  const char* where = "kvscope_capture_set_token_roles";
+  check_writer(where);
+  if (!roles) fail(KVSCOPE_ERR_ARGUMENT, std::string(where) + ": roles is NULL");
+  if (token_roles_set_) fail(KVSCOPE_ERR_STATE, std::string(where) + ": token roles were already set");
+  const auto T = static_cast<std::size_t>(T_);
+  check_role_codes(where, roles, T);
+  token_roles_.assign(roles, roles + T);
+  token_roles_set_ = true;
+}
+
+void Session::set_decode_roles(const std::uint8_t* roles, std::int64_t num_steps) {
+  const char* where = "kvscope_capture_set_decode_roles";
+  check_writer(where);
+  if (num_steps < 0 || num_steps > max_decode_steps_) {
+    fail(KVSCOPE_ERR_ARGUMENT, std::string(where) + ": num_steps " + std::to_string(num_steps) +
+                                   " out of range [0, " + std::to_string(max_decode_steps_) +
+                                   "] (config.max_decode_steps)");
+  }
+  if (!roles && num_steps > 0) fail(KVSCOPE_ERR_ARGUMENT, std::string(where) + ": roles is NULL");
+  if (decode_roles_set_) fail(KVSCOPE_ERR_STATE, std::string(where) + ": decode roles were already set");
+  const auto n = static_cast<std::size_t>(num_steps);
+  check_role_codes(where, roles, n);
+  decode_roles_.assign(roles, roles + n);
+  decode_roles_set_ = true;
+}
+
 void Session::range_push(const char* name) {
   check_writer("kvscope_capture_range_push");
   if (!name) fail(KVSCOPE_ERR_ARGUMENT, "kvscope_capture_range_push: name is NULL");

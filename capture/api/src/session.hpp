@@ -46,6 +46,8 @@ class Session {
   void decode_layer(std::int32_t layer, std::int32_t step, const kvscope_tensor* q, const kvscope_tensor* k,
                     const kvscope_tensor* v);
   void decode_token(std::int32_t step, std::int32_t token_id, std::int32_t position, const char* text);
+  void set_token_roles(const std::uint8_t* roles);
+  void set_decode_roles(const std::uint8_t* roles, std::int64_t num_steps);
   void range_push(const char* name);
   void range_pop();
   void close();
@@ -83,6 +85,8 @@ class Session {
   std::vector<std::int32_t> decode_token_id_, decode_position_;
   std::vector<std::string> decode_text_;
   bool decode_has_text_ = false;
+  std::vector<std::uint8_t> token_roles_, decode_roles_;  // empty = not set
+  bool token_roles_set_ = false, decode_roles_set_ = false;
 
   // Writer-thread state.
   struct DecodeStore {

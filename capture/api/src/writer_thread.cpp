@@ -158,6 +158,9 @@ std::string Session::missing_parts() const {
   } else if (decode_token_id_.size() != static_cast<std::size_t>(S)) {
     parts.push_back(std::to_string(decode_token_id_.size()) + " decode tokens recorded for " +
                     std::to_string(S) + " decode steps");
+  } else if (decode_roles_set_ && decode_roles_.size() != static_cast<std::size_t>(S)) {
+    parts.push_back(std::to_string(decode_roles_.size()) + " decode roles set for " + std::to_string(S) +
+                    " decode steps");
   }
   std::string s;
   for (std::size_t i = 0; i < parts.size(); ++i) s += (i ? "; " : "") + parts[i];
@@ -189,7 +192,9 @@ void Session::write_decode_and_profile() {
     writer_->write_decode_layer(l, view[0], view[1], view[2]);
   }
   writer_->write_decode_tokens(decode_token_id_, decode_position_,
-                               decode_has_text_ ? decode_text_ : std::vector<std::string>{});
+                               decode_has_text_ ? decode_text_ : std::vector<std::string>{},
+                               decode_roles_set_ ? decode_roles_ : std::vector<std::uint8_t>{});
+  if (token_roles_set_) writer_->write_token_roles(token_roles_);
   writer_->write_profile(profiler_.finish());
 }
 

@@ -9,10 +9,14 @@
 
 While the block runs, every attention module of the model is wrapped (instance-level `forward` wrappers,
 removed on exit). The first forward of the model is the prefill: it must cover exactly the context
-tokens given in `tokens`; each later forward is one decode step feeding one token (a KV-cache forward).
+tokens given in `tokens`; each later forward (a KV-cache forward) feeds one or more tokens, each recorded
+as one decode step: a forward of n tokens (a question fed after the context, chunked prefill) is decode
+steps s .. s+n-1, token j's query attending causally to the cache and tokens 0..j of the forward.
 Per layer the bridge records the prefill q [Hq, T, D] and post-RoPE k, v [Hkv, T, D], and per decode step
 q [Hq, 1, D] and the appended k, v [Hkv, 1, D], plus the fed token (id, position, text) and ranges
-("prefill", "decode N", "layer NNN/attention"). Tensors go to the library as they are: host tensors as host
+("prefill", "decode N", "layer NNN/attention"). Token roles (context / question / answer / template,
+docs/trace-format.md) are optional: `TokenTable.role` for the context, `cap.set_decode_roles(...)` inside
+the block for the decode steps. Tensors go to the library as they are: host tensors as host
 pointers with their strides (no copy), CUDA tensors as device pointers on the current stream.
 
 Adapters say where a model keeps its attention: `TinyVlmAdapter` (kvscope.tinyvlm, q taken from the rotary
@@ -31,8 +35,8 @@ TokenText = Union[None, Callable[[int], str], Sequence[str]]
 
 
 class BridgeError(RuntimeError):
-    """The model did not run the way the bridge records it (wrong prefill length, a multi-token decode
-    forward, a layer that did not run, batch > 1), or the capture was aborted."""
+    """The model did not run the way the bridge records it (wrong prefill length, a layer that did not run,
+    batch > 1), or the capture was aborted."""
 
 
 # ---- tokens ------------------------------------------------------------------------------------------------
@@ -46,6 +50,7 @@ class TokenTable:
     grid_row: List[int]  # patch grid row of vision tokens, -1 otherwise
     grid_col: List[int]
     text: Optional[List[str]] = None  # per-token text ("" for patches) or None
+    role: Optional[List[int]] = None  # per-token role (0 context, 1 question, 2 answer, 3 template) or None
 
     def __len__(self) -> int:
         return len(self.modality)
@@ -58,6 +63,8 @@ class TokenTable:
                 raise ValueError(f"TokenTable.{name} has {have} entries, modality has {n}")
         if self.text is not None and len(self.text) != n:
             raise ValueError(f"TokenTable.text has {len(self.text)} entries, modality has {n}")
+        if self.role is not None and len(self.role) != n:
+            raise ValueError(f"TokenTable.role has {len(self.role)} entries, modality has {n}")
 
     @staticmethod
     def from_ids(ids: Sequence[int], token_text: TokenText = None, special_ids: Sequence[int] = (),
@@ -130,7 +137,8 @@ class Recorder:
         self.decode_steps = 0
         self.error: Optional[BaseException] = None
         self._in_forward = False
-        self._fed_id = -1
+        self._fed_ids: List[int] = []  # the ids of the current decode forward (-1 where not known)
+        self._forward_tokens = 0  # tokens of the current decode forward (set by its first layer)
         self._seen: List[bool] = []
 
     @property
@@ -148,11 +156,8 @@ class Recorder:
             return
         try:
             if self.prefilled:
-                if input_ids is not None and int(input_ids.numel()) != 1:
-                    self.fail(f"decode step {self.decode_steps}: the model was fed {int(input_ids.numel())} "
-                              "tokens; after the prefill the bridge records one token per forward (generate "
-                              "with the KV cache, batch 1)")
-                self._fed_id = -1 if input_ids is None else int(input_ids.reshape(-1)[0])
+                self._fed_ids = [] if input_ids is None else [int(i) for i in input_ids.reshape(-1)]
+                self._forward_tokens = 0
                 name = f"decode {self.decode_steps}"
             else:
                 name = "prefill"
@@ -182,7 +187,7 @@ class Recorder:
                 phase = f"decode step {self.decode_steps}" if self.prefilled else "the prefill"
                 self.fail(f"layers {missing} did not run during {phase}")
             if self.prefilled:
-                self.decode_steps += 1
+                self.decode_steps += self._forward_tokens
             self.prefilled = True
         except BaseException as e:
             self.error = e
@@ -207,14 +212,25 @@ class Recorder:
                     self.fail(f"the prefill forward has {t} tokens but tokens= describes {self.T}")
                 self.cap.prefill_layer(layer, q, k, v)
                 return
-            if t != 1:
-                self.fail(f"decode step {self.decode_steps}: layer {layer} got {t} tokens, expected 1")
             step = self.decode_steps
-            if not any(self._seen[:layer]):  # first layer of this step: the fed token
-                pos = self.T + step if position is None else int(position)
-                text = None if self.text_of is None or self._fed_id < 0 else self.text_of(self._fed_id)
-                self.cap.decode_token(step, self._fed_id, pos, text)
-            self.cap.decode_layer(layer, step, q, k, v)
+            if not any(self._seen[:layer]):  # first layer of this forward: its t fed tokens, steps step..
+                if self._fed_ids and len(self._fed_ids) != t:
+                    self.fail(f"decode step {step}: the model was fed {len(self._fed_ids)} tokens but layer "
+                              f"{layer} got {t}")
+                self._forward_tokens = t
+                last = self.T + step + t - 1 if position is None else int(position)  # the last token's
+                if last - (t - 1) != self.T + step:
+                    self.fail(f"decode step {step}: a forward of {t} tokens at positions {last - (t - 1)}.."
+                              f"{last} does not continue the cache at position {self.T + step} (a forward "
+                              "without the KV cache, e.g. use_cache=False?); generate with the KV cache")
+                for j in range(t):
+                    fed = self._fed_ids[j] if self._fed_ids else -1
+                    text = None if self.text_of is None or fed < 0 else self.text_of(fed)
+                    self.cap.decode_token(step + j, fed, last - (t - 1) + j, text)
+            elif t != self._forward_tokens:
+                self.fail(f"decode step {step}: layer {layer} got {t} tokens, layer 0 got {self._forward_tokens}")
+            for j in range(t):
+                self.cap.decode_layer(layer, step + j, q[:, j:j + 1], k[:, j:j + 1], v[:, j:j + 1])
         except BaseException as e:
             self.error = self.error or e
             raise
@@ -376,6 +392,8 @@ class BridgeCapture:
         try:
             self.capture.set_tokens(tokens.modality, tokens.position, tokens.token_id, tokens.segment,
                                     tokens.grid_row, tokens.grid_col, tokens.text)
+            if tokens.role is not None:
+                self.capture.set_token_roles(tokens.role)
             self.recorder = Recorder(self.capture, geometry["num_layers"], tokens, token_text)
             adapter.attach(self.recorder, self._patcher)
         except BaseException:
@@ -390,6 +408,11 @@ class BridgeCapture:
     @property
     def prefilled(self) -> bool:
         return self.recorder.prefilled
+
+    def set_decode_roles(self, roles: Sequence[int]) -> None:
+        """Roles of the decode steps (0 context, 1 question, 2 answer, 3 template), one per step recorded by
+        the end of the block; call inside the block."""
+        self.capture.set_decode_roles(roles)
 
     def finish(self, exc: Optional[BaseException]) -> None:
         self._patcher.restore()

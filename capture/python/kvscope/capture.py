@@ -134,6 +134,8 @@ def _declare(lib: ctypes.CDLL) -> None:
                                                             ctypes.POINTER(ctypes.c_float), i32]),
         "kvscope_capture_decode_layer": (ctypes.c_int, [vp, i32, i32, tp, tp, tp]),
         "kvscope_capture_decode_token": (ctypes.c_int, [vp, i32, i32, i32, cp]),
+        "kvscope_capture_set_token_roles": (ctypes.c_int, [vp, ctypes.POINTER(ctypes.c_uint8)]),
+        "kvscope_capture_set_decode_roles": (ctypes.c_int, [vp, ctypes.POINTER(ctypes.c_uint8), i64]),
         "kvscope_capture_range_push": (ctypes.c_int, [vp, cp]),
         "kvscope_capture_range_pop": (ctypes.c_int, [vp]),
         "kvscope_capture_close": (ctypes.c_int, [vp]),
@@ -351,6 +353,27 @@ class Capture:
     def decode_token(self, step: int, token_id: int, position: int, text: Optional[str] = None) -> None:
         self._call(self._lib.kvscope_capture_decode_token, int(step), int(token_id), int(position),
                    None if text is None else str(text).encode())
+
+    @staticmethod
+    def _roles(roles: Sequence[int], what: str) -> np.ndarray:
+        r = np.ascontiguousarray(np.asarray(roles, dtype=np.int64))
+        if r.ndim != 1 or (r.size and (r.min() < 0 or r.max() > 255)):
+            raise ValueError(f"{what} must be a list of role codes (0 context, 1 question, 2 answer, 3 template)")
+        return r.astype(np.uint8)
+
+    def set_token_roles(self, roles: Sequence[int]) -> None:
+        """Roles of the context tokens (trace /tokens/role): 0 context, 1 question, 2 answer, 3 template."""
+        r = self._roles(roles, "token roles")
+        if r.shape != (self.context_tokens,):
+            raise ValueError(f"token roles has {r.size} entries, expected {self.context_tokens} (context_tokens)")
+        self._call(self._lib.kvscope_capture_set_token_roles, r.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)))
+
+    def set_decode_roles(self, roles: Sequence[int]) -> None:
+        """Roles of the decode steps 0..len(roles)-1 (trace /decode/tokens/role); at close their number must
+        equal the decode steps recorded."""
+        r = self._roles(roles, "decode roles")
+        self._call(self._lib.kvscope_capture_set_decode_roles, r.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
+                   int(r.size))
 
     def range_push(self, name: str) -> None:
         self._call(self._lib.kvscope_capture_range_push, name.encode())

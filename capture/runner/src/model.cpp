@@ -256,6 +256,51 @@ Generation Model::generate(const Prompt& prompt, const GenerateOptions& options)
   t0 = Clock::now();
   // Generated tokens continue the last segment (the question's for the tiny VLM, 0 for text).
   const int n_images = static_cast<int>(prompt.images.size());
+  if (!options.after_prefill.empty()) {
+    if (options.hook) {
+      throw RunnerError(ErrorKind::kInput,
+                        "tokens fed after the prefill (after_prefill) cannot run with a cache hook");
+    }
+    const int n = static_cast<int>(options.after_prefill.size());
+    check_context(prompt.size() + n);
+    const int chunk = options.after_prefill_chunk > 0 ? options.after_prefill_chunk : n;
+    std::vector<TokenInfo> toks(static_cast<std::size_t>(n));
+    std::vector<float> x(static_cast<std::size_t>(n) * d);
+    for (int i = 0; i < n; ++i) {
+      const std::int32_t id = options.after_prefill[static_cast<std::size_t>(i)];
+      if (id < 0 || id >= config_.vocab_size) {
+        throw RunnerError(ErrorKind::kInput, "after_prefill token id " + std::to_string(id) +
+                                                 " is outside the vocabulary (" +
+                                                 std::to_string(config_.vocab_size) + " tokens)");
+      }
+      TokenInfo& tok = toks[static_cast<std::size_t>(i)];
+      tok.token_id = id;
+      tok.position = tok.index = prompt.size() + i;
+      tok.modality = 0;
+      tok.segment = n_images;
+      std::copy_n(weights_->embed_tokens.data() + static_cast<std::size_t>(id) * d, d,
+                  x.data() + static_cast<std::size_t>(i) * d);
+    }
+    for (int i0 = 0; i0 < n; i0 += chunk) {
+      const int m = std::min(chunk, n - i0);
+      const std::string name =
+          "decode " + std::to_string(i0) + (m > 1 ? ".." + std::to_string(i0 + m - 1) : "");
+      ScopedRange range(options.observer, name.c_str());
+      if (options.observer) {
+        for (int i = i0; i < i0 + m; ++i) {
+          const TokenInfo& tok = toks[static_cast<std::size_t>(i)];
+          options.observer->on_decode_token(i, tok.token_id, tok.position);
+        }
+      }
+      ForwardRequest req;
+      req.x = x.data() + static_cast<std::size_t>(i0) * d;
+      req.tokens = &toks[static_cast<std::size_t>(i0)];
+      req.num_tokens = m;
+      req.decode_step = i0;
+      backend_->forward(req, cache, options.observer, logits);
+    }
+    gen.decode_steps = gen.after_prefill_steps = n;
+  }
   std::vector<std::int32_t> answer;
   while (static_cast<int>(gen.tokens.size()) < options.max_new) {
     const int next = argmax(logits);

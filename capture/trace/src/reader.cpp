@@ -28,6 +28,29 @@ struct TraceReader::Impl {
   Tokens tokens;
   DecodeTokens decode;
   int layers_present = 0, decode_layers_present = 0;
+  bool has_roles = false;
+
+  // An optional role dataset of length n: any integer type, every value a Role code (0..3).
+  std::vector<std::uint8_t> read_roles(const std::string& path, std::size_t n, std::uint8_t fallback) {
+    if (!exists(path)) return std::vector<std::uint8_t>(n, fallback);
+    has_roles = true;
+    const std::vector<hsize_t> shape = h5::dataset_shape(ctx, file, path);
+    if (shape.size() != 1 || shape[0] != n) {
+      ctx.fail(ErrorKind::kShape, path,
+               "shape " + shape_text(shape) + ", expected [" + std::to_string(n) + "] (one role per token)");
+    }
+    const std::vector<std::int64_t> v = h5::read_i64(ctx, file, path, {n});
+    std::vector<std::uint8_t> out(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      if (v[i] < 0 || v[i] >= kNumRoles) {
+        ctx.fail(ErrorKind::kValue, path,
+                 "bad role code " + std::to_string(v[i]) + " at index " + std::to_string(i) +
+                     " (allowed: 0 context, 1 question, 2 answer, 3 template)");
+      }
+      out[i] = static_cast<std::uint8_t>(v[i]);
+    }
+    return out;
+  }
 
   std::vector<std::string> read_strings(const std::string& path, hsize_t n) {
     return h5::read_strings(ctx, file, path, n);
@@ -161,6 +184,7 @@ struct TraceReader::Impl {
     }
     check_grid();
     if (exists("/tokens/text")) tokens.text = read_strings("/tokens/text", T);
+    tokens.role = read_roles("/tokens/role", T, static_cast<std::uint8_t>(Role::kContext));
   }
 
   // Vision tokens have a cell (row, col >= 0), every other token (-1, -1); the vision tokens of one
@@ -246,6 +270,7 @@ struct TraceReader::Impl {
     decode.token_id = h5::read_i32(ctx, file, "/decode/tokens/token_id", {S});
     decode.position = h5::read_i32(ctx, file, "/decode/tokens/position", {S});
     if (exists("/decode/tokens/text")) decode.text = read_strings("/decode/tokens/text", S);
+    decode.role = read_roles("/decode/tokens/role", S, static_cast<std::uint8_t>(Role::kAnswer));
   }
 
   void check_layers() {
@@ -398,6 +423,7 @@ std::size_t TraceReader::num_tokens() const { return impl_->T; }
 std::size_t TraceReader::num_decode_steps() const { return impl_->S; }
 const Tokens& TraceReader::tokens() const { return impl_->tokens; }
 const DecodeTokens& TraceReader::decode_tokens() const { return impl_->decode; }
+bool TraceReader::has_roles() const { return impl_->has_roles; }
 int TraceReader::layers_present() const { return impl_->layers_present; }
 int TraceReader::decode_layers_present() const { return impl_->decode_layers_present; }
 

@@ -28,6 +28,21 @@ std::string decode_layer_group_name(int layer) {
   return buf;
 }
 
+const char* role_name(int role) {
+  switch (role) {
+    case 0:
+      return "context";
+    case 1:
+      return "question";
+    case 2:
+      return "answer";
+    case 3:
+      return "template";
+    default:
+      return "?";
+  }
+}
+
 std::vector<float> Tensor::to_float() const {
   std::vector<float> out(numel());
   for (std::size_t i = 0; i < out.size(); ++i) out[i] = at(i);

@@ -78,6 +78,26 @@ struct TraceWriter::Impl {
     }
   }
 
+  // Role codes must be Role values (0..3).
+  void check_roles(const std::string& path, const std::vector<std::uint8_t>& role) {
+    for (std::size_t i = 0; i < role.size(); ++i) {
+      if (role[i] >= kNumRoles) {
+        ctx.fail(ErrorKind::kValue, path,
+                 "bad role code " + std::to_string(role[i]) + " at index " + std::to_string(i) +
+                     " (allowed: 0 context, 1 question, 2 answer, 3 template)");
+      }
+    }
+  }
+  // Roles are 1.1 content: the file says so (a 1.0 reader ignores the datasets, as minor versions allow).
+  void mark_roles() {
+    if (header.version_major == kVersionMajor && header.version_minor < kVersionMinorRoles) {
+      header.version_minor = kVersionMinorRoles;
+      h5::write_attr_string(
+          ctx, file, "version",
+          std::to_string(header.version_major) + "." + std::to_string(header.version_minor));
+    }
+  }
+
   void check_layer(int layer, const char* what) {
     if (closed) ctx.fail(ErrorKind::kUsage, "", std::string(what) + " after close()");
     if (layer < 0 || layer >= header.geometry.num_layers) {
@@ -183,6 +203,10 @@ void TraceWriter::write_tokens(const Tokens& t) {
   need(t.grid_row.size(), "grid");
   need(t.grid_col.size(), "grid");
   if (!t.text.empty()) need(t.text.size(), "text");
+  if (!t.role.empty()) {
+    need(t.role.size(), "role");
+    m.check_roles("/tokens/role", t.role);
+  }
   for (std::size_t i = 0; i < T; ++i) {
     if (t.modality[i] >= kernels::kNumModalities) {
       m.ctx.fail(ErrorKind::kValue, "/tokens/modality",
@@ -208,7 +232,25 @@ void TraceWriter::write_tokens(const Tokens& t) {
     for (std::size_t i = 0; i < T; ++i) ptrs[i] = t.text[i].c_str();
     m.write_plain("/tokens/text", st, st, {n}, ptrs.data());
   }
+  if (!t.role.empty()) {
+    m.write_plain("/tokens/role", H5T_STD_U8LE, H5T_NATIVE_UINT8, {n}, t.role.data());
+    m.mark_roles();
+  }
   m.tokens_written = true;
+}
+
+void TraceWriter::write_token_roles(const std::vector<std::uint8_t>& role) {
+  h5::silence_errors();
+  Impl& m = *impl_;
+  if (m.closed) m.ctx.fail(ErrorKind::kUsage, "/tokens/role", "write after close()");
+  if (h5::exists(m.file, "/tokens/role")) m.ctx.fail(ErrorKind::kUsage, "/tokens/role", "written twice");
+  if (role.size() != m.T) {
+    m.ctx.fail(ErrorKind::kShape, "/tokens/role",
+               "length " + std::to_string(role.size()) + ", expected " + std::to_string(m.T));
+  }
+  m.check_roles("/tokens/role", role);
+  m.write_plain("/tokens/role", H5T_STD_U8LE, H5T_NATIVE_UINT8, {static_cast<hsize_t>(m.T)}, role.data());
+  m.mark_roles();
 }
 
 void TraceWriter::write_layer(int layer, const TensorView& q, const TensorView& k, const TensorView& v) {
@@ -263,14 +305,17 @@ void TraceWriter::write_decode_layer(int layer, const TensorView& q, const Tenso
 
 void TraceWriter::write_decode_tokens(const std::vector<std::int32_t>& token_id,
                                       const std::vector<std::int32_t>& position,
-                                      const std::vector<std::string>& text) {
+                                      const std::vector<std::string>& text,
+                                      const std::vector<std::uint8_t>& role) {
   h5::silence_errors();
   Impl& m = *impl_;
   if (m.closed) m.ctx.fail(ErrorKind::kUsage, "/decode/tokens", "write after close()");
   if (m.decode_tokens_written) m.ctx.fail(ErrorKind::kUsage, "/decode/tokens", "written twice");
-  if (token_id.size() != m.S || position.size() != m.S || (!text.empty() && text.size() != m.S)) {
+  if (token_id.size() != m.S || position.size() != m.S || (!text.empty() && text.size() != m.S) ||
+      (!role.empty() && role.size() != m.S)) {
     m.ctx.fail(ErrorKind::kShape, "/decode/tokens", "expected " + std::to_string(m.S) + " entries");
   }
+  if (!role.empty()) m.check_roles("/decode/tokens/role", role);
   m.create_group("/decode/tokens");
   const hsize_t S = m.S;
   m.write_plain("/decode/tokens/token_id", H5T_STD_I32LE, H5T_NATIVE_INT32, {S}, token_id.data());
@@ -282,6 +327,10 @@ void TraceWriter::write_decode_tokens(const std::vector<std::int32_t>& token_id,
     std::vector<const char*> ptrs(m.S);
     for (std::size_t i = 0; i < m.S; ++i) ptrs[i] = text[i].c_str();
     m.write_plain("/decode/tokens/text", st, st, {S}, ptrs.data());
+  }
+  if (!role.empty()) {
+    m.write_plain("/decode/tokens/role", H5T_STD_U8LE, H5T_NATIVE_UINT8, {S}, role.data());
+    m.mark_roles();
   }
   m.decode_tokens_written = true;
 }

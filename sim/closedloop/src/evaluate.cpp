@@ -10,6 +10,7 @@
 
 #include "kvscope/closedloop/tasks.hpp"
 #include "kvscope/runner/image.hpp"
+#include "kvscope/trace/schema.hpp"
 
 namespace kvscope::closedloop {
 
@@ -208,6 +209,46 @@ std::vector<Reference> make_references(runner::Model& model, const std::vector<H
 
 std::string task_prompt_text(const runner::ChatTemplate& chat, const TaskSample& sample) {
   return chat.render({{"user", sample.user}}, true) + sample.answer_prefix;
+}
+
+std::vector<std::uint8_t> task_token_roles(const runner::Tokenizer& tokenizer,
+                                           const std::vector<std::int32_t>& ids,
+                                           const runner::ChatTemplate& chat, const TaskSample& sample) {
+  const std::string head = chat.render({{"user", sample.user}}, true);
+  const std::string text = head + sample.answer_prefix;
+  // The user message is the last occurrence of its text in the rendered head (a system prompt precedes it).
+  const std::size_t user = head.rfind(sample.user);
+  if (user == std::string::npos || sample.question_char > sample.user.size() ||
+      sample.context_char > sample.question_char) {
+    throw TaskError("task " + sample.task + " sample " + std::to_string(sample.index) +
+                    ": the user message is not in the rendered prompt");
+  }
+  using trace::Role;
+  auto role_at = [&](std::size_t byte) {
+    if (byte < user + sample.context_char) return Role::kTemplate;  // system prompt, markup, intro
+    if (byte < user + sample.question_char) return Role::kContext;
+    if (byte < user + sample.user.size()) return Role::kQuestion;
+    if (byte < head.size()) return Role::kTemplate;  // end of the user turn, assistant header
+    return Role::kAnswer;                            // the answer prefix
+  };
+  std::vector<std::uint8_t> roles(ids.size());
+  std::size_t at = 0;
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    const std::string& piece = tokenizer.text(ids[i]);
+    if (text.compare(at, piece.size(), piece) != 0) {
+      throw TaskError("task " + sample.task + " sample " + std::to_string(sample.index) + ": token " +
+                      std::to_string(i) + " does not spell the prompt text at byte " + std::to_string(at) +
+                      " (the tokenizer normalises the text?)");
+    }
+    roles[i] = static_cast<std::uint8_t>(role_at(at));
+    at += piece.size();
+  }
+  if (at != text.size()) {
+    throw TaskError("task " + sample.task + " sample " + std::to_string(sample.index) +
+                    ": the tokens spell " + std::to_string(at) + " of the prompt's " +
+                    std::to_string(text.size()) + " bytes");
+  }
+  return roles;
 }
 
 TokenCounter token_counter(const runner::Tokenizer& tokenizer) {

@@ -339,6 +339,9 @@ std::vector<TaskSample> make_task_samples(const std::string& task, int length, i
       s.seed = seed;
       s.index = index;
       s.user = user;
+      s.question = in.question;
+      s.context_char = in.intro.size() + 2;
+      s.question_char = user.size() - in.question.size();
       s.answer_prefix = in.prefix;
       s.answer = in.answer;
       for (std::size_t pos = user.find(in.answer); pos != std::string::npos;

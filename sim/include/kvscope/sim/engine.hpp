@@ -5,6 +5,7 @@
 // policy of a sweep.
 #pragma once
 
+#include <array>
 #include <functional>
 #include <map>
 #include <memory>
@@ -40,6 +41,19 @@ struct TraceContext {
   // (two GEMMs) instead of one kernel call per step; same math, GEMM rounding may differ.
   bool batched_evaluation = true;
   std::string source;  // the trace's path, for messages (empty: a model's live cache)
+  // Token roles (trace::Role codes; docs/trace-format.md): of the context tokens [T] and of the decode
+  // steps [S]. Empty = no roles: every decode step is an answer step.
+  std::vector<std::uint8_t> role, step_role;
+  bool has_roles = false;    // the trace records roles
+  int steps_in_context = 0;  // decode steps moved into the context (question_in_context)
+  // Decode steps in query set `set` (QuerySet): answer steps (all S without roles), question steps.
+  // Counted by count_query_sets() (from_reader and move_question_into_context call it), else on each call.
+  int query_set_steps(int set) const;
+  void count_query_sets();
+  std::array<int, kQuerySets> query_steps{};
+  int query_steps_for = -1;  // the S query_steps were counted for (-1: not counted)
+  // Whether decode step s is in query set `set`.
+  bool in_query_set(int set, int s) const;
 
   static TraceContext from_reader(const trace::TraceReader& reader);
   const kernels::NeighbourTable& neighbour_lists(int seq_radius, int grid_radius);
@@ -166,6 +180,17 @@ class LayerData {
   // Trace tensors [Hkv, T, D] and [Hkv, S, D] -> float32 [Hkv, T + S, D] (k_all's layout).
   void fill_all(const trace::Tensor& prefill, const trace::Tensor& decode, std::vector<float>& out) const;
 };
+
+// ---- roles and query sets (sim/src/roles.cpp) ----
+// The question in the compressed context: moves the decode steps before the first answer step (the
+// question and the template tokens around it, fed after the prefill) into the context, so that T grows by
+// their number and the answer steps are the evaluation queries. Returns the number of steps moved. Throws
+// std::runtime_error (one line naming the trace) when the trace has no roles, no such step, or no answer
+// step after them.
+int move_question_into_context(TraceContext& ctx, const trace::TraceReader& reader);
+// A layer's prefill and decode tensors as the (possibly moved) context reads them: the first
+// ctx.steps_in_context decode steps appended to the prefill tensors.
+LayerData read_layer_data(const trace::TraceReader& reader, int layer, TraceContext& ctx);
 
 // Bytes of one kv head's cache of K slots under `policy`'s quantizer (K and V codes, scales, zero
 // points, full-precision residual; plain K and V when the policy does not quantize). The decode-time

@@ -29,6 +29,10 @@ struct TraceSummary {
   std::array<std::uint64_t, kernels::kNumModalities> kv_bytes_per_layer_modality{};
   std::uint64_t kv_bytes_total = 0;     // all layers, context tokens
   std::uint64_t kv_bytes_per_token = 0; // all layers
+  // Token roles (trace::Role codes): counts of context tokens and decode steps per role; has_roles false
+  // when the trace records none (counts then by the defaults: context, answer).
+  bool has_roles = false;
+  std::array<std::size_t, trace::kNumRoles> context_roles{}, decode_roles{};
   bool has_profile = false;
   std::size_t profile_kernels = 0, profile_ranges = 0;
 };

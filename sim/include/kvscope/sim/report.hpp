@@ -2,6 +2,7 @@
 // docs/results-format.md is the normative description of both files.
 #pragma once
 
+#include <array>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -35,6 +36,11 @@ struct ResultsMeta {
   std::int64_t num_tokens = 0;             // context (prefill) tokens
   std::int64_t num_decode_steps = 0;       // evaluation queries per query head
   PerModalityCount tokens_per_modality{};  // [4] by modality code
+  // Token roles (results format 1.2): whether the trace records them, the decode steps moved into the
+  // context (--question-in-context; 0 = the question after compression) and the steps of each query set.
+  bool has_roles = false;
+  std::int64_t steps_in_context = 0;
+  std::array<std::int64_t, kQuerySets> query_set_steps{};
   std::string command_line;                // the kvsim invocation, shell-quoted
   std::string created;                     // ISO-8601 UTC; empty = time of writing
 };
@@ -56,6 +62,8 @@ struct TableOptions {
   int max_width = 140;             // rows longer than this get their flags cut with "..."
   std::optional<bool> show_audio;  // audio recall column; nullopt = when any point has audio tokens
   bool legend = true;              // explanation lines under the table
+  // Query-set columns (error and recall on the answer's and the question's queries): traces with roles.
+  bool query_sets = false;
 };
 
 // One row per point, in the given order: policy, budget, memory saved (%), bytes ratio,
@@ -67,7 +75,7 @@ std::string format_table(const std::vector<PointResult>& points, const TableOpti
 // Written to path + ".partial" and renamed; throws ReportError (leaving no file) on failure.
 void write_csv(const std::string& path, const std::vector<PointResult>& points, const ResultsMeta& meta);
 
-// HDF5 results file (format "kvscope-results", version 1.0), written to path + ".partial" and
+// HDF5 results file (format "kvscope-results", version 1.2), written to path + ".partial" and
 // renamed when complete; throws ReportError (leaving no file) on failure.
 void write_hdf5(const std::string& path, const std::vector<PointResult>& points, const ResultsMeta& meta);
 

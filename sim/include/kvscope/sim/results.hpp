@@ -33,6 +33,21 @@ struct Bytes {
   }
 };
 
+// Query sets: subsets of the evaluation (decode) queries by the role of their step (docs/metrics.md
+// "Query sets"): the answer's queries (steps with role answer) and the question's (role question).
+enum QuerySet : int { kAnswerQueries = 0, kQuestionQueries = 1 };
+constexpr int kQuerySets = 2;
+const char* query_set_name(int set);  // "answer", "question"
+
+// Quality on one query set: the same means as Quality's, over that set's queries only. NaN when the
+// set is empty (no decode step has its role).
+struct QuerySetQuality {
+  double output_error = 0;
+  double attention_recall = 0;
+  double kl = 0;
+  double entropy_delta = 0;
+};
+
 // Quality on the evaluation queries, averaged over queries (and heads / layers when aggregated).
 struct Quality {
   double output_error = 0;     // ||o~ - o|| / ||o||
@@ -42,6 +57,7 @@ struct Quality {
   PerModality recall_modality{};   // R_m (1 where the modality has no attention mass)
   PerModality share_before{};      // sum_{t in m} p(t)
   PerModality share_after{};       // sum_{s in m} p~(s)
+  std::array<QuerySetQuality, kQuerySets> query_sets{};  // the same on the answer's / question's queries
 };
 
 // One kv head of one layer.
@@ -104,7 +120,7 @@ struct PointResult {
   // "policy"; "bound" (oracle-topk: reads the evaluation queries, the bound of eviction scorers) or
   // "search" (alloc-search:SCORER, an allocation search on measured errors): neither is a policy, and
   // neither is ever on the Pareto front (docs/policies.md "Bound and search rows in sweeps").
-  std::string role = "policy";
+  std::string kind = "policy";
   double budget_value = 0; // fraction of tokens kept requested (after converting tok/bytes), 1 for "-"
   std::vector<LayerResult> layers;
   HeadResult total;        // all layers

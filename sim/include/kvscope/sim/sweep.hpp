@@ -3,6 +3,7 @@
 // checked for collapse modes and marked on the Pareto front.
 #pragma once
 
+#include <array>
 #include <functional>
 #include <string>
 #include <vector>
@@ -47,10 +48,10 @@ std::vector<SweepPoint> make_sweep_points(const std::vector<PolicySpec>& policie
 
 // Rows a sweep reports beside the policies (docs/policies.md "Bound and search rows in sweeps").
 // They read the trace's own evaluation queries, so they are never on the Pareto front of the policies
-// and PointResult::role says what they are.
+// and PointResult::kind says what they are.
 //
 // The query-aware bound: `oracle-topk` (PolicySpec scorer kOracleTopK) at every distinct token
-// budget fraction < 1 of the sweep's points; role "bound".
+// budget fraction < 1 of the sweep's points; kind "bound".
 struct BoundOptions {
   bool enabled = false;  // kvsim sweep turns it on (--no-bound: off)
 };
@@ -60,7 +61,7 @@ struct BoundOptions {
 // budget the search starts from the scorer's own allocation at that budget and only accepts moves
 // (one or two layers changing their allocation) that keep the summed kept bytes within the start's
 // and lower the summed replayed layer error, so its output error is never above the scorer's at
-// that budget. Rows `alloc-search:SCORER`, role "search".
+// that budget. Rows `alloc-search:SCORER`, kind "search".
 struct AllocSearchOptions {
   bool enabled = false;
   PolicySpec scorer;  // a token-scoring policy; its scorer, forced set, executor and quantizer are used
@@ -78,12 +79,23 @@ struct SweepOptions {
   AllocSearchOptions alloc_search;
   std::function<void(std::size_t done, std::size_t total)> progress;
   Backend* backend = nullptr;  // kernels to run on (select_backend); nullptr = the CPU backend
+  // The question inside the compressed context (move_question_into_context): the decode steps before the
+  // first answer step join the context, the answer steps are the evaluation queries.
+  bool question_in_context = false;
 };
 
 struct SweepOutput {
   std::vector<PointResult> points;
   std::vector<std::string> warnings;
+  // The replay's shape (question_in_context moves steps into the context).
+  int context_tokens = 0, decode_steps = 0, steps_in_context = 0;
+  bool has_roles = false;                         // the trace records token roles
+  std::array<int, kQuerySets> query_set_steps{};  // decode steps of each query set
 };
+
+// Sets each empty query set's metrics (query_set_steps 0) to NaN on every head, layer and point, and
+// throws std::runtime_error (one line naming `source`) when a non-empty set's metric is not finite.
+void finish_query_sets(SweepOutput& out, const std::string& source);
 
 // Throws std::runtime_error with one line naming the file unless the trace can be replayed: it
 // needs at least one decode step (S >= 1: the decode queries are the evaluation queries; T >= 1 is

@@ -110,6 +110,14 @@ class Capture {
   void decode_token(int step, std::int32_t token_id, std::int32_t position, const char* text = nullptr) {
     detail::check(kvscope_capture_decode_token(handle(), step, token_id, position, text));
   }
+  // Token roles (kvscope_role codes): T context roles; decode roles of steps 0..roles.size()-1.
+  void set_token_roles(const std::vector<std::uint8_t>& roles) {
+    detail::check(kvscope_capture_set_token_roles(handle(), roles.data()));
+  }
+  void set_decode_roles(const std::vector<std::uint8_t>& roles) {
+    detail::check(
+        kvscope_capture_set_decode_roles(handle(), roles.data(), static_cast<std::int64_t>(roles.size())));
+  }
   void range_push(const char* name) { detail::check(kvscope_capture_range_push(handle(), name)); }
   void range_pop() { detail::check(kvscope_capture_range_pop(handle())); }
 

@@ -33,12 +33,23 @@ struct GenerateOptions {
   bool keep_logits = false;  // record the logits used for each generated token
   // When set, receives the prefill's logits of every prompt position [T, V] (costs T x V floats).
   std::vector<float>* prefill_logits = nullptr;
+  // Tokens fed after the prefill and before generation (e.g. a question arriving after the context was
+  // cached), in forwards of `after_prefill_chunk` tokens each (0: all in one forward; chunked prefill).
+  // They are decode steps 0 .. n-1 for the observer (on_decode_token per token, on_decode_layer per forward
+  // with the forward's n tokens): a forward of several tokens is causal, token j attending to the cache
+  // and to tokens 0..j of its forward, so each step's q/k/v are those of feeding the tokens one at a time.
+  // Generation then starts from the last one's logits. Text tokens of this model's vocabulary; not with a
+  // cache hook (throws RunnerError kInput).
+  std::vector<std::int32_t> after_prefill;
+  int after_prefill_chunk = 0;
 };
 
 struct Generation {
   std::vector<std::int32_t> tokens;  // generated ids, ending with an EOS id when one was generated
   std::string text;                  // the tokenizer's decoding of the answer, without the EOS
-  int decode_steps = 0;              // tokens fed back (generated tokens except <eos>)
+  int decode_steps = 0;              // decode steps: the after_prefill tokens, then the generated tokens fed
+                                     // back (all generated tokens except <eos>)
+  int after_prefill_steps = 0;       // of which the after_prefill tokens
   double prefill_ms = 0, decode_ms = 0;
   std::vector<std::vector<float>> logits;  // [generated][V] when keep_logits
 };

@@ -24,7 +24,8 @@ class RunObserver {
   // q [Hq, T, D]; k, v [Hkv, T, D], k after RoPE.
   virtual void on_prefill_layer(int /*layer*/, const TensorRef& /*q*/, const TensorRef& /*k*/,
                                 const TensorRef& /*v*/) {}
-  // q [Hq, 1, D]; k, v [Hkv, 1, D] of the token fed at decode step `step`.
+  // q [Hq, n, D]; k, v [Hkv, n, D] of the n tokens of one decode forward, decode steps step .. step+n-1
+  // (n = 1 for a generated token; n > 1 for GenerateOptions::after_prefill fed in one forward).
   virtual void on_decode_layer(int /*layer*/, int /*step*/, const TensorRef& /*q*/, const TensorRef& /*k*/,
                                const TensorRef& /*v*/) {}
   virtual void on_decode_token(int /*step*/, std::int32_t /*token_id*/, std::int32_t /*position*/) {}

@@ -21,6 +21,7 @@ struct DecodeTokens {
   std::vector<std::int32_t> token_id;  // [S]
   std::vector<std::int32_t> position;  // [S]
   std::vector<std::string> text;       // [S] or empty
+  std::vector<std::uint8_t> role;      // [S] Role codes (kAnswer for every step when the trace has none)
 };
 
 struct ReaderOptions {
@@ -43,8 +44,12 @@ class TraceReader {
   const ModelGeometry& geometry() const { return header().geometry; }
   std::size_t num_tokens() const;        // T, context (prefill) tokens
   std::size_t num_decode_steps() const;  // S, evaluation queries per head
+  // tokens().role and decode_tokens().role are always filled: from /tokens/role and /decode/tokens/role
+  // when present, else every context token kContext and every decode step kAnswer.
   const Tokens& tokens() const;
   const DecodeTokens& decode_tokens() const;
+  // True when the trace records roles (/tokens/role or /decode/tokens/role present, format 1.1).
+  bool has_roles() const;
   // Layers whose prefill (decode) tensors are present: all of them for a complete trace.
   int layers_present() const;
   int decode_layers_present() const;

@@ -18,6 +18,22 @@ using kernels::Modality;
 inline constexpr const char* kFormatName = "kvscope-trace";
 inline constexpr int kVersionMajor = 1;
 inline constexpr int kVersionMinor = 0;
+// The minor version a writer writes when the trace has 1.1 content (token roles); traces without it
+// stay 1.0, byte for byte what a 1.0 writer wrote.
+inline constexpr int kVersionMinorRoles = 1;
+
+// Role of a token in the prompt (trace format 1.1, /tokens/role and /decode/tokens/role;
+// docs/trace-format.md section 2a). Traces without roles read as: every context token kContext,
+// every decode step kAnswer.
+enum class Role : std::uint8_t {
+  kContext = 0,   // the material the question is about (document, haystack, images)
+  kQuestion = 1,  // the question (or instruction) the answer responds to
+  kAnswer = 2,    // the model's answer: a pre-filled answer prefix and the generated tokens
+  kTemplate = 3,  // chat-template markup and system prompt: none of the above
+};
+inline constexpr int kNumRoles = 4;
+// "context", "question", "answer", "template"; "?" for another code.
+const char* role_name(int role);
 
 // Parses a `version` attribute of a kvscope file (traces and results): exactly MAJOR.MINOR, one to
 // six digits each side of one dot, nothing else (no spaces, signs, suffixes or third component).
@@ -59,6 +75,7 @@ struct Tokens {
   std::vector<std::int32_t> grid_row;  // [T] patch row for vision tokens, -1 otherwise
   std::vector<std::int32_t> grid_col;  // [T] patch column for vision tokens, -1 otherwise
   std::vector<std::string> text;       // [T] optional decoded text (empty vector = absent)
+  std::vector<std::uint8_t> role;      // [T] optional Role codes (empty = absent: all kContext)
   std::size_t size() const { return modality.size(); }
 };
 

@@ -26,17 +26,23 @@ class TraceWriter {
   TraceWriter(const TraceWriter&) = delete;
   TraceWriter& operator=(const TraceWriter&) = delete;
 
-  // /tokens, length T.
+  // /tokens, length T (and /tokens/role when tokens.role is not empty: the file becomes version 1.1).
   void write_tokens(const Tokens& tokens);
   // /layers/NNN/{q,k,v}: q [Hq, T, D], k and v [Hkv, T, D], all in header.dtype.
   void write_layer(int layer, const TensorView& q, const TensorView& k, const TensorView& v);
+  // /tokens/role alone, for a writer that learns the roles after write_tokens (a live capture): Role codes
+  // [T]; once, and not when write_tokens already wrote them. The file becomes version 1.1.
+  void write_token_roles(const std::vector<std::uint8_t>& role);
   // Optional /layers/NNN/attn_colsum and attn_window.
   void write_layer_aggregates(int layer, const LayerAggregates& aggregates);
   // /decode/layers/NNN/{q,k,v}: q [Hq, S, D], k and v [Hkv, S, D].
   void write_decode_layer(int layer, const TensorView& q, const TensorView& k, const TensorView& v);
   // /decode/tokens: generated token ids [S] and positions [S] (modality text).
-  void write_decode_tokens(const std::vector<std::int32_t>& token_id, const std::vector<std::int32_t>& position,
-                           const std::vector<std::string>& text = {});
+  // role: optional Role codes [S] (/decode/tokens/role; the file becomes version 1.1), empty = none.
+  void write_decode_tokens(const std::vector<std::int32_t>& token_id,
+                           const std::vector<std::int32_t>& position,
+                           const std::vector<std::string>& text = {},
+                           const std::vector<std::uint8_t>& role = {});
   // /profile/kernels and /profile/ranges (may be empty).
   void write_profile(const Profile& profile);
 

@@ -115,6 +115,13 @@ std::vector<Reference> make_references(runner::Model& model, const std::vector<H
 // The text a task sample is run on: the user message rendered with `chat` (its default system prompt, the
 // assistant turn opened), then the answer prefix. kvcap eval --task and kvcap run --task encode it whole.
 std::string task_prompt_text(const runner::ChatTemplate& chat, const TaskSample& sample);
+// The role (trace::Role code) of each token of `ids`, the tokenizer's encoding of task_prompt_text(chat,
+// sample) (docs/tasks.md "Roles"): the system prompt, chat markup and the task's intro line are template,
+// the haystack with its facts context, the question question, the pre-filled answer prefix answer. A token
+// takes the role of its first byte. Throws TaskError when the tokens' texts do not spell the prompt text.
+std::vector<std::uint8_t> task_token_roles(const runner::Tokenizer& tokenizer,
+                                           const std::vector<std::int32_t>& ids,
+                                           const runner::ChatTemplate& chat, const TaskSample& sample);
 // Token counts of the user message for make_task_samples, with the model's tokenizer.
 TokenCounter token_counter(const runner::Tokenizer& tokenizer);
 

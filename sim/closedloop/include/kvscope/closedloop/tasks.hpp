@@ -54,7 +54,10 @@ struct TaskSample {
   int length = 0;               // requested tokens of the user message
   std::uint64_t seed = 0;       // generator seed
   int index = 0;                // sample index (0 .. samples-1)
-  std::string user;             // the user message (haystack with the facts, then the question)
+  std::string user;             // the user message: intro, "\n\n", haystack with the facts, "\n\n", question
+  std::string question;         // the question (the end of `user`)
+  std::size_t context_char = 0;   // byte offset in `user` where the haystack starts (after the intro)
+  std::size_t question_char = 0;  // byte offset in `user` where the question starts
   std::string answer_prefix;    // pre-filled assistant text, e.g. "The pass key is"
   std::string answer;           // expected answer, e.g. "48213"
   std::size_t needle_char = 0;  // byte offset of the answer inside `user`
