@@ -455,6 +455,7 @@ LayerResult run_policy_on_layer(const PolicySpec& p, double keep, LayerData& L, 
           for (int s = 0; s < K; ++s) t2[kw[s]] = s;
         }
         Bytes& b = head_bytes[static_cast<std::size_t>(w)];
+        bool exact = !merging;  // context slots = the kept tokens, exact (evaluation reuse, evaluation.hpp)
         if (p.key_quant && K > 0) {
           const std::size_t KD = static_cast<std::size_t>(K) * D;
           qbuf.resize(KD);
@@ -463,6 +464,8 @@ LayerResult run_policy_on_layer(const PolicySpec& p, double keep, LayerData& L, 
             std::vector<float>& data = kv == 0 ? sk : sv;
             const kernels::QuantShape qs{1, K, D, kernels::DType::kF32};
             check(ctx.backend->quantize_dequantize(q, qs, data.data(), qbuf.data()), "quantize");
+            exact = exact && std::equal(qbuf.begin(), qbuf.begin() + static_cast<std::ptrdiff_t>(KD),
+                                        data.begin());
             std::copy_n(qbuf.begin(), KD, data.begin());
             const auto qb = kernels::quantized_bytes(q, 1, K, D, ctx.dtype);
             b.kv += qb.codes;
@@ -493,7 +496,7 @@ LayerResult run_policy_on_layer(const PolicySpec& p, double keep, LayerData& L, 
                       sk.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(K) * D));
           std::copy_n(vall.begin() + static_cast<std::ptrdiff_t>(all), SD,
                       sv.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(K) * D));
-          const PrefillCache c{sk.data(), sv.data(), K, sn.data(), smod.data(), t2s.data()};
+          const PrefillCache c{sk.data(), sv.data(), K, sn.data(), smod.data(), t2s.data(), exact};
           add_prefill_quality(L, ctx, h, c, p.proportional_attention, scratch,
                               res.heads[static_cast<std::size_t>(h)].quality);
         }

@@ -100,6 +100,9 @@ class LayerData {
   // Full attention mass per modality of those G rows, in double, summed over tokens 0 .. T + s in
   // order (the evaluation kernel's own sum, shared by every point of the layer): [G, 4].
   const double* full_step_mass(int kv_head, int step) const;
+  // p(t) log p(t) of full_step(kv_head, step).probs, same layout ([G, T + step + 1]; 0 where p = 0): the
+  // entropy of a compressed cache that only evicts is a sum of these over its survivors.
+  const float* full_step_plogp(int kv_head, int step) const;
   void prepare_steps() {
     if (!have_steps_) compute_full_steps();
   }
@@ -142,6 +145,7 @@ class LayerData {
   std::vector<float> step_probs_, step_output_, step_entropy_, step_mass_;  // ragged by step
   std::vector<std::size_t> step_probs_offset_;                            // [S] start of step s in step_probs_
   std::vector<double> step_mass_f64_;                                     // [S, Hq, 4]
+  std::vector<float> step_plogp_;                                         // as step_probs_: p log p
   bool have_steps_ = false;
   bool have_similarity_ = false;
   bool prefill_released_ = false;
