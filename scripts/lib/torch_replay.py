@@ -214,7 +214,22 @@ def select(scores, k, forced, cls, quotas, redistribute=True):
     keep.scatter_(1, order, pick | f)
     n = int(keep.sum(1)[0])
     assert bool((keep.sum(1) == n).all()), "heads kept different counts"
-    return torch.nonzero(keep)[:, 1].view(H, n)
+    # Margin of the selection: per head and class, the relative gap between the worst picked and the best
+    # passed-over candidate; a float-rounding difference of the scores can swap tokens only below it.
+    ss = torch.gather(scores, 1, order)
+    margin = float("inf")
+    for ci in range(len(quotas)):
+        pk = pick & (c == ci)
+        up = ~pick & ~f & (c == ci)
+        if not bool(pk.any()) or not bool(up.any()):
+            continue
+        lo = torch.where(pk, ss, torch.full_like(ss, float("inf"))).amin(1)
+        hi = torch.where(up, ss, torch.full_like(ss, float("-inf"))).amax(1)
+        ok = torch.isfinite(lo) & torch.isfinite(hi)
+        if bool(ok.any()):
+            gap = ((lo - hi).abs() / torch.maximum(lo.abs(), hi.abs()).clamp_min(1e-30))[ok]
+            margin = min(margin, float(gap.min()))
+    return torch.nonzero(keep)[:, 1].view(H, n), margin
 
 
 # ---------------------------------------------------------------------------------------------- one layer
@@ -317,14 +332,14 @@ class Layer:
 
 
 def kept_set(p, keep, layer, L, lay, modality, grid, n_mod):
-    """Kept indices [H, K] of policy p at keep fraction `keep` in this layer."""
+    """Kept indices [H, K] of policy p at keep fraction `keep` in this layer, and the selection's margin."""
     T, H = lay.T, lay.H
     all_kept = torch.arange(T).expand(H, T)
     if not p["compress"] or keep >= 1.0:
-        return all_kept
+        return all_kept, float("inf")
     vision_only = p["allocator"] == "vision-only"
     if vision_only and layer < p["first_layer"]:
-        return all_kept
+        return all_kept, float("inf")
     frac = keep
     if p["allocator"] == "pyramid" and L > 1:
         frac = keep * (1.0 + 0.5 * (1.0 - 2.0 * layer / (L - 1)))
@@ -363,7 +378,7 @@ def kept_set(p, keep, layer, L, lay, modality, grid, n_mod):
             k = n_forced
             quotas = [k]
     if k >= T:
-        return all_kept
+        return all_kept, float("inf")
     return select(lay.scores(p["scorer"], layer, grid), k, forced, cls, quotas)
 
 
@@ -391,8 +406,9 @@ def replay(trace, policies, budgets, threads, log=None):
             lay = Layer(f, l, Hq // H)
             lay.full()
             for p, bt, keep in points:
-                kept = kept_set(p, keep, l, L, lay, modality, grid, n_mod)
+                kept, margin = kept_set(p, keep, l, L, lay, modality, grid, n_mod)
                 m = lay.evaluate(kept, p["quant"], modality)
+                m["margin"] = margin if math.isfinite(margin) else 1.0
                 km = modality[kept]
                 m["kept"] = [int((km == c).sum()) for c in range(4)]
                 res[f"{p['name']}@{bt}"].append(m)

@@ -102,7 +102,7 @@ double keep_fraction(const PolicySpec& p, const Budget& b, const TraceContext& c
 
 LayerResult run_policy_on_layer(const PolicySpec& p, double keep, LayerData& L, TraceContext& ctx,
                                 std::vector<std::string>& warnings, bool record_tokens,
-                                CompressedLayer* compressed) {
+                                CompressedLayer* compressed, bool evaluate) {
   const auto& g = ctx.geometry;
   const int H = g.num_kv_heads, Hq = g.num_q_heads, D = g.head_dim, T = ctx.T, S = ctx.S;
   const int layer = L.layer();
@@ -430,6 +430,11 @@ LayerResult run_policy_on_layer(const PolicySpec& p, double keep, LayerData& L, 
         std::int32_t* t2 = &tok2slot[static_cast<std::size_t>(w) * T];
         const float* kh = kwork[static_cast<std::size_t>(w)];
         const float* vh = vwork[static_cast<std::size_t>(w)];
+        if (!evaluate && !merging && !p.key_quant) {  // selection only: budget_batch.cpp evaluates
+          for (int s = 0; s < K; ++s) t2[kw[s]] = s;
+          head_bytes[static_cast<std::size_t>(w)].kv = 2ll * K * D * elem;
+          continue;
+        }
         if (merging) {
           kernels::MergeParams mp;
           mp.num_heads = 1;

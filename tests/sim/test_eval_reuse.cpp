@@ -1,17 +1,21 @@
 // Evaluation reuse (docs/perf.md "Evaluation reuse"): a compressed cache that only evicts (its context
 // slots are the surviving tokens themselves, exact) is evaluated from the full cache's attention instead
 // of a second q.k; the metrics must equal the recomputed ones up to float rounding, and the reuse must
-// refuse caches where it does not hold (merged slots, not flagged exact).
+// refuse caches where it does not hold (merged slots, not flagged exact). Reuse across budgets: nested
+// kept sets of one policy evaluated from one pass (budget_batch.hpp), against point-by-point evaluation.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <random>
 
+#include "../../sim/src/budget_batch.hpp"
 #include "../../sim/src/evaluation.hpp"
 #include "kvscope/sim/engine.hpp"
 #include "kvscope/sim/policy.hpp"
+#include "kvscope/sim/sweep.hpp"
 #include "kvscope/synth/synth.hpp"
 #include "scratch.hpp"
 
@@ -196,4 +200,99 @@ TEST(EvalReuse, PolicyResultsMatchThePerStepKernel) {
       }
     }
   }
+}
+
+// ---- reuse across budgets (sim/src/budget_batch.hpp)
+
+TEST(BudgetBatch, NestedIncrements) {
+  const std::vector<std::int32_t> a{3, 5}, b{1, 3, 5, 8}, c{0, 1, 3, 5, 8, 9}, d{1, 2, 5};
+  std::vector<std::vector<std::int32_t>> inc;
+  // Given in any order: `order` sorts them by size.
+  ASSERT_TRUE(nested_increments({&c, &a, &b}, {1, 2, 0}, 10, &inc));
+  ASSERT_EQ(inc.size(), 3u);
+  EXPECT_EQ(inc[0], (std::vector<std::int32_t>{3, 5}));
+  EXPECT_EQ(inc[1], (std::vector<std::int32_t>{1, 8}));
+  EXPECT_EQ(inc[2], (std::vector<std::int32_t>{0, 9}));
+  EXPECT_TRUE(nested_increments({&a, &a}, {0, 1}, 10, &inc));  // equal sets: an empty increment
+  EXPECT_TRUE(inc[1].empty());
+  EXPECT_FALSE(nested_increments({&a, &d}, {0, 1}, 10, &inc));  // 3 is dropped by the larger set
+  EXPECT_FALSE(nested_increments({&d, &c}, {0, 1}, 10, &inc));  // 2 is not in the larger set
+}
+
+// Every budget of the eviction presets from one pass per kv head equals the point-by-point evaluation
+// (counts and bytes exactly, quality within float rounding), and the one-pass path is actually taken.
+TEST(BudgetBatch, MatchesPointByPointEvaluation) {
+  PolicyRegistry reg;
+  trace::TraceReader reader(trace_path());
+  TraceContext ctx = TraceContext::from_reader(reader);
+  const std::vector<double> keeps{0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0};
+  for (const char* name : {"window", "streamingllm", "h2o", "snapkv", "pyramidkv", "tova", "knorm", "random",
+                           "fastv", "vision-stride", "hybridkv"}) {
+    SCOPED_TRACE(name);
+    const PolicySpec p = reg.get(name);
+    ASSERT_TRUE(budget_batch_eligible(p));
+    BudgetBatchStats stats;
+    for (int layer = 0; layer < ctx.geometry.num_layers; ++layer) {
+      LayerData L(layer, reader.read_layer(layer), reader.read_decode_layer(layer), ctx);
+      L.prepare_steps();
+      std::vector<std::vector<std::string>> wa(keeps.size()), wb(keeps.size());
+      std::vector<std::vector<std::string>*> wp;
+      for (auto& w : wa) wp.push_back(&w);
+      const std::vector<LayerResult> batch = run_budgets_on_layer(p, keeps, L, ctx, wp, &stats);
+      ASSERT_EQ(batch.size(), keeps.size());
+      for (std::size_t b = 0; b < keeps.size(); ++b) {
+        const LayerResult one = run_policy_on_layer(p, keeps[b], L, ctx, wb[b]);
+        EXPECT_EQ(wa[b], wb[b]);
+        EXPECT_TRUE(batch[b].token_maps.empty());
+        ASSERT_EQ(batch[b].heads.size(), one.heads.size());
+        for (std::size_t h = 0; h < one.heads.size(); ++h) {
+          const HeadResult& x = batch[b].heads[h];
+          const HeadResult& y = one.heads[h];
+          EXPECT_EQ(x.bytes_kept.total(), y.bytes_kept.total());
+          EXPECT_EQ(x.kept, y.kept);
+          EXPECT_EQ(x.evicted, y.evicted);
+          EXPECT_NEAR(x.quality.output_error, y.quality.output_error,
+                      2e-6 * std::max(1.0, y.quality.output_error));
+          EXPECT_NEAR(x.quality.attention_recall, y.quality.attention_recall, 1e-9);
+          EXPECT_NEAR(x.quality.kl, y.quality.kl, 1e-6);
+          EXPECT_NEAR(x.quality.entropy_delta, y.quality.entropy_delta, 2e-6);
+          for (std::size_t m = 0; m < 4; ++m) {
+            EXPECT_NEAR(x.quality.recall_modality[m], y.quality.recall_modality[m], 1e-6);
+            EXPECT_NEAR(x.quality.share_before[m], y.quality.share_before[m], 1e-6);
+            EXPECT_NEAR(x.quality.share_after[m], y.quality.share_after[m], 1e-6);
+          }
+        }
+        EXPECT_EQ(batch[b].steps.size(), one.steps.size());
+      }
+    }
+    EXPECT_GT(stats.nested_heads, 0);
+    std::printf("%s: %d kv heads x layers nested, %d fell back\n", name, stats.nested_heads, stats.fallback_heads);
+  }
+}
+
+// run_sweep with and without batching: the same points, counts and bytes, quality within float rounding.
+TEST(BudgetBatch, SweepWithAndWithoutBatchingAgree) {
+  trace::TraceReader reader(trace_path());
+  PolicyRegistry reg;
+  std::vector<PolicySpec> policies;
+  for (const char* n : {"full", "window", "h2o", "h2o+int8", "look-m", "snapkv", "int4"})
+    policies.push_back(reg.get(n));
+  const auto points = make_sweep_points(policies, parse_budget_list("0.2:0.8:0.2"));
+  SweepOptions a, b;
+  a.oracle.enabled = b.oracle.enabled = false;
+  b.batch_budgets = false;
+  const SweepOutput x = run_sweep(reader, points, a), y = run_sweep(reader, points, b);
+  ASSERT_EQ(x.points.size(), y.points.size());
+  for (std::size_t i = 0; i < x.points.size(); ++i) {
+    SCOPED_TRACE(x.points[i].policy + "@" + x.points[i].budget);
+    EXPECT_EQ(x.points[i].policy, y.points[i].policy);
+    EXPECT_EQ(x.points[i].budget, y.points[i].budget);
+    EXPECT_EQ(x.points[i].total.bytes_kept.total(), y.points[i].total.bytes_kept.total());
+    EXPECT_EQ(x.points[i].total.kept, y.points[i].total.kept);
+    EXPECT_NEAR(x.points[i].total.quality.output_error, y.points[i].total.quality.output_error, 2e-6);
+    EXPECT_NEAR(x.points[i].total.quality.attention_recall, y.points[i].total.quality.attention_recall, 1e-9);
+    EXPECT_NEAR(x.points[i].total.quality.entropy_delta, y.points[i].total.quality.entropy_delta, 2e-6);
+    ASSERT_EQ(x.points[i].layers.size(), y.points[i].layers.size());
+  }
+  EXPECT_EQ(x.warnings, y.warnings);
 }

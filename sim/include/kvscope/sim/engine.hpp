@@ -199,8 +199,10 @@ struct CompressedLayer {
 // clamped up to the forced set) are appended to `warnings`.
 // With record_tokens, LayerResult::token_maps says what happened to every token of every kv head.
 // With `compressed`, the compressed context cache is also returned (closed-loop evaluation).
+// With evaluate = false, a policy that only evicts (no merging, no quantizer) stops after the selection:
+// counts, bytes and token maps are filled, the quality stays 0 (sim/src/budget_batch.cpp evaluates).
 LayerResult run_policy_on_layer(const PolicySpec& policy, double keep, LayerData& layer, TraceContext& ctx,
                                 std::vector<std::string>& warnings, bool record_tokens = false,
-                                CompressedLayer* compressed = nullptr);
+                                CompressedLayer* compressed = nullptr, bool evaluate = true);
 
 }  // namespace kvscope::sim

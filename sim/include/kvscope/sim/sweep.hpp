@@ -60,6 +60,9 @@ struct SweepOptions {
   OracleOptions oracle;
   std::function<void(std::size_t done, std::size_t total)> progress;
   Backend* backend = nullptr;  // kernels to run on (select_backend); nullptr = the CPU backend
+  // Evaluate the budgets of one eviction-only policy together on the CPU backend (sim/src/budget_batch.hpp):
+  // same results up to float rounding; false evaluates every point on its own.
+  bool batch_budgets = true;
 };
 
 struct SweepOutput {
