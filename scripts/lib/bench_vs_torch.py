@@ -11,7 +11,8 @@
    point's kept sizes, the full-cache reference and the prefill statistics, per layer and head) against
    a float32 GEMM rate measured in the same run (torch.matmul 2048^3, 1 and 2 threads, best of 3).
 
-Markdown table on stdout, progress on stderr.
+Every process runs with OMP_WAIT_POLICY=PASSIVE unless it is set. Markdown table on stdout, progress on
+stderr.
 """
 
 import argparse
@@ -143,6 +144,9 @@ def main():
     ap.add_argument("--kvsim-threads", type=int, default=0, help="kvsim sweep --threads (0 = all cores)")
     ap.add_argument("--check-only", action="store_true", help="only the check (step 1), e.g. on a tiny trace")
     a = ap.parse_args()
+    # Passive OpenMP waits for torch too, as kvscope's tools set for themselves (with spinning waits on a
+    # loaded machine each parallel region waits for a descheduled thread; docs/perf.md).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     work = a.work or tempfile.mkdtemp(prefix="bench-vs-torch-")
     os.makedirs(work, exist_ok=True)
     trace = a.trace
@@ -170,6 +174,7 @@ def main():
         rep = json.load(f)["points"]
     ties = []
     worst, fails = compare(kv, rep, ties)
+    log(f"check done: {len(fails)} mismatches, {len(ties)} near-ties")
     n_layers = sum(len(v) for v in rep.values())
     print(f"check: {len(rep)} points, {n_layers} (point, layer) pairs; worst |kvsim - replay| outside near-ties: " +
           ", ".join(f"{k} {v:.3g}" for k, v in worst.items()))
@@ -204,10 +209,11 @@ def main():
         times[f"torch {n} thread(s)"] = []
     for rep_i in range(a.repeat):
         log(f"round {rep_i + 1}/{a.repeat}")
-        times["kvsim (20 policies)"].append(run_timed(kv_all))
-        times["kvsim (replayed)"].append(run_timed(kv_sub))
-        for n in threads:
-            times[f"torch {n} thread(s)"].append(run_timed(rp(n, os.path.join(work, f"r{n}.json"))))
+        runs = [("kvsim (20 policies)", kv_all), ("kvsim (replayed)", kv_sub)]
+        runs += [(f"torch {n} thread(s)", rp(n, os.path.join(work, f"r{n}.json"))) for n in threads]
+        for key, cmd in runs:
+            times[key].append(run_timed(cmd))
+            log(f"{key}: wall {times[key][-1][0]:.2f} s, CPU {times[key][-1][1]:.2f} s, load {os.getloadavg()[0]:.2f}")
     med = {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in times.items()}
     # 3. floor and ceiling
     import h5py
