@@ -103,7 +103,7 @@ bool evaluate_nested(LayerData& L, const TraceContext& ctx, int h, const std::ve
   const std::size_t stride = static_cast<std::size_t>(T + S) * D;
   const float* vh = L.v_all().data() + static_cast<std::size_t>(h) * stride;
   kernels::pin_blas_to_one_thread();
-  // Per row: the full probabilities, their p log p, the full-side reference.
+  // Per row: the full probabilities and their p log p.
   std::vector<const float*> pr(n_rows), pl(n_rows);
   for (int r = 0; r < R; ++r) {
     const int st = r / G, j = r % G;
@@ -232,18 +232,26 @@ std::vector<LayerResult> run_budgets_on_layer(const PolicySpec& p, const std::ve
                                               const std::vector<std::vector<std::string>*>& warnings,
                                               BudgetBatchStats* stats) {
   const std::size_t B = keeps.size();
+  const int H = ctx.geometry.num_kv_heads;
   std::vector<LayerResult> res(B);
-  for (std::size_t b = 0; b < B; ++b)
+  // Kept tokens [B][H] (ascending); the rest of the token maps is dropped at once (memory).
+  std::vector<std::vector<std::vector<std::int32_t>>> kept(B);
+  for (std::size_t b = 0; b < B; ++b) {
     res[b] = run_policy_on_layer(p, keeps[b], L, ctx, *warnings[b], /*record_tokens=*/true, nullptr,
                                  /*evaluate=*/false);
-  const int H = ctx.geometry.num_kv_heads;
+    kept[b].resize(static_cast<std::size_t>(H));
+    for (int h = 0; h < H; ++h)
+      kept[b][static_cast<std::size_t>(h)] =
+          std::move(res[b].token_maps[static_cast<std::size_t>(h)].slot_token);
+    res[b].token_maps = {};
+  }
   L.prepare_steps();
   EvalScratch scratch;
   for (int h = 0; h < H; ++h) {
     std::vector<const std::vector<std::int32_t>*> sets(B);
     std::vector<Quality*> out(B);
     for (std::size_t b = 0; b < B; ++b) {
-      sets[b] = &res[b].token_maps[static_cast<std::size_t>(h)].slot_token;
+      sets[b] = &kept[b][static_cast<std::size_t>(h)];
       out[b] = &res[b].heads[static_cast<std::size_t>(h)].quality;
     }
     std::vector<std::size_t> order(B);
@@ -267,7 +275,6 @@ std::vector<LayerResult> run_budgets_on_layer(const PolicySpec& p, const std::ve
       evaluate_alone(L, ctx, h, *sets[b], p.proportional_attention, scratch, *out[b]);
     }
   }
-  for (auto& r : res) r.token_maps.clear();  // recorded for the sets only; a sweep does not keep them
   return res;
 }
 

@@ -435,7 +435,7 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
     for (std::size_t i = 0; i < points.size(); ++i) {
       const PolicySpec& ps = points[i].policy;
       const bool batch = batching && budget_batch_eligible(ps);
-      if (batch && !tasks.empty() && tasks.back().size() >= 1) {
+      if (batch && !tasks.empty()) {
         const PolicySpec& prev = points[tasks.back().front()].policy;
         if (budget_batch_eligible(prev) && prev.name == ps.name) {
           tasks.back().push_back(i);
