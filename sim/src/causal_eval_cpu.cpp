@@ -35,9 +35,124 @@ float max_of(const float* x, int n) {
   return m;
 }
 
+// Surviving tokens in ascending order (context tokens with a slot, then the decode tokens) and runs of
+// equal modality (of the survivors and of the slots), over which the per-modality double sums run in a
+// register; every sum adds the same terms in the same order as the kernel's loop over all tokens.
+void survivor_runs(const PrefillProblem& p, EvalScratch& s) {
+  const int T = p.context_tokens, S = p.steps, N = p.cache.context_slots + S;
+  const std::int32_t* map = p.cache.token_to_slot;
+  s.surv_token.clear();
+  for (int t = 0; t < T + S; ++t)
+    if (map[t] >= 0) s.surv_token.push_back(t);
+  auto runs = [](const auto& key, int n, std::vector<int>& out) {  // run boundaries of key[0, n)
+    out.assign(1, 0);
+    for (int i = 1; i < n; ++i)
+      if (key(i) != key(i - 1)) out.push_back(i);
+    out.push_back(n);
+  };
+  runs([&](int i) { return p.modality[s.surv_token[static_cast<std::size_t>(i)]]; },
+       static_cast<int>(s.surv_token.size()), s.surv_runs);
+  runs([&](int i) { return p.cache.slot_modality[i]; }, N, s.slot_runs);
+}
+
+// Survived attention mass of row (st, j) per modality: sum of the full probabilities of the surviving
+// tokens of the first n_surv survivors, in token order.
+void survived_mass(const EvalScratch& s, const std::uint8_t* modality, const float* pr, int n_surv,
+                   double* surv) {
+  for (std::size_t u = 0; u + 1 < s.surv_runs.size() && s.surv_runs[u] < n_surv; ++u) {
+    const int a = s.surv_runs[u], b = std::min(s.surv_runs[u + 1], n_surv);
+    const auto mt = modality[s.surv_token[static_cast<std::size_t>(a)]];
+    double acc = surv[mt];
+    for (int i = a; i < b; ++i) acc += pr[s.surv_token[static_cast<std::size_t>(i)]];
+    surv[mt] = acc;
+  }
+}
+
 }  // namespace
 
-void evaluate_prefill_rows_cpu(const PrefillProblem& p, EvalScratch& s, RowMetrics& out) {
+bool evaluate_prefill_rows_reuse(const PrefillProblem& p, EvalScratch& s, RowMetrics& out) {
+  if (!p.cache.exact_context) return false;
+  const int G = p.group, S = p.steps, T = p.context_tokens, D = p.head_dim, K = p.cache.context_slots;
+  const int N = K + S, R = S * G;
+  const std::size_t n_rows = static_cast<std::size_t>(R), n_cols = static_cast<std::size_t>(N);
+  survivor_runs(p, s);
+  if (static_cast<int>(s.surv_token.size()) != N) return false;  // not one slot per survivor
+  kernels::pin_blas_to_one_thread();
+  s.e.resize(n_rows * n_cols);
+  s.o.resize(n_rows * D);
+  s.csum.assign(n_rows, 0.0);
+  s.cent.assign(n_rows, 0.0);
+  s.cmass.assign(n_rows * kM, 0.0);
+  // Row r's compressed probabilities up to their sum zs: the full probabilities of its survivors.
+  for (int r = 0; r < R; ++r) {
+    const int st = r / G, j = r % G, n = K + st + 1;
+    const std::size_t len = static_cast<std::size_t>(T + st + 1);
+    const float* pr = p.layer->full_step(p.kv_head, st).probs + static_cast<std::size_t>(j) * len;
+    const float* pl = p.layer->full_step_plogp(p.kv_head, st) + static_cast<std::size_t>(j) * len;
+    float* er = &s.e[static_cast<std::size_t>(r) * n_cols];
+    double zs = 0.0, es = 0.0;
+    for (int k = 0; k < n; ++k) {
+      const int t = s.surv_token[static_cast<std::size_t>(k)];
+      er[k] = pr[t];
+      zs += pr[t];
+      es += pl[t];
+    }
+    if (!(zs >= 1e-20)) return false;
+    std::fill(er + n, er + N, 0.0f);  // the causal mask: future decode tokens
+    s.csum[static_cast<std::size_t>(r)] = zs;
+    s.cent[static_cast<std::size_t>(r)] = es;
+    double* cm = &s.cmass[static_cast<std::size_t>(r) * kM];
+    for (std::size_t u = 0; u + 1 < s.slot_runs.size() && s.slot_runs[u] < n; ++u) {
+      const int a = s.slot_runs[u], b = std::min(s.slot_runs[u + 1], n);
+      double acc = cm[p.cache.slot_modality[a]];
+      for (int k = a; k < b; ++k) acc += er[k];
+      cm[p.cache.slot_modality[a]] = acc;
+    }
+  }
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, R, D, N, 1.0f, s.e.data(), N, p.cache.v, D, 0.0f,
+              s.o.data(), D);
+  out.resize(n_rows);
+  for (int r = 0; r < R; ++r) {
+    const int st = r / G, j = r % G;
+    const kernels::FullAttention full = p.layer->full_step(p.kv_head, st);
+    const float* pr = full.probs + static_cast<std::size_t>(j) * (T + st + 1);
+    const double* mass = p.layer->full_step_mass(p.kv_head, st) + static_cast<std::size_t>(j) * kM;
+    double surv[kM] = {0.0, 0.0, 0.0, 0.0};
+    survived_mass(s, p.modality, pr, K + st + 1, surv);
+    const double total = (mass[0] + mass[1]) + (mass[2] + mass[3]);
+    const double zsum = s.csum[static_cast<std::size_t>(r)];
+    const double inv = 1.0 / zsum;
+    const float* o = full.output + static_cast<std::size_t>(j) * D;
+    const float* oc = &s.o[static_cast<std::size_t>(r) * D];
+    double diff2 = 0.0, norm2 = 0.0;
+    for (int d = 0; d < D; ++d) {
+      const double ocd = oc[d] * inv, od = o[d];
+      diff2 += (ocd - od) * (ocd - od);
+      norm2 += od * od;
+    }
+    const double survived = (surv[0] + surv[1]) + (surv[2] + surv[3]);
+    // KL of the survivors' renormalised full attention against the compressed one: p / survived against
+    // p / zsum, the same terms summed in two orders, so log(zsum / survived) (0 up to rounding).
+    const double kl = survived > 0.0 ? (zsum / survived) * (std::log(zsum) - std::log(survived)) : 0.0;
+    const double h_comp = std::log(zsum) - s.cent[static_cast<std::size_t>(r)] * inv;
+    const double norm = std::sqrt(norm2), diff = std::sqrt(diff2);
+    const std::size_t ri = static_cast<std::size_t>(r);
+    out.output_error[ri] = static_cast<float>(norm > 0.0 ? diff / norm : diff);
+    out.recall[ri] = static_cast<float>(survived / total);
+    out.kl[ri] = static_cast<float>(kl);
+    out.entropy_change[ri] = static_cast<float>(h_comp - static_cast<double>(full.entropy[j]));
+    for (int m = 0; m < kM; ++m) {
+      const std::size_t i = ri * kM + static_cast<std::size_t>(m);
+      out.recall_modality[i] = static_cast<float>(mass[m] > 0.0 ? surv[m] / mass[m] : 1.0);
+      out.mass_full[i] = static_cast<float>(mass[m] / total);
+      out.mass_compressed[i] = static_cast<float>(s.cmass[i] * inv);
+    }
+  }
+  return true;
+}
+
+void evaluate_prefill_rows_cpu(const PrefillProblem& p, EvalScratch& s, RowMetrics& out, bool reuse) {
+  if (reuse && evaluate_prefill_rows_reuse(p, s, out)) return;
   const int G = p.group, S = p.steps, T = p.context_tokens, D = p.head_dim, K = p.cache.context_slots;
   const int N = K + S;  // slot columns of the batched logits
   const int R = S * G;  // query rows, r = s * G + j
@@ -56,23 +171,9 @@ void evaluate_prefill_rows_cpu(const PrefillProblem& p, EvalScratch& s, RowMetri
     for (int k = 0; k < N; ++k)
       s.log_n[static_cast<std::size_t>(k)] = std::log(static_cast<float>(p.cache.multiplicity[k]));
   }
-  // Surviving tokens in ascending order (context tokens with a slot, then the decode tokens) and
-  // runs of equal modality, over which the per-modality double sums run in a register; every sum
-  // adds the same terms in the same order as the kernel's loop over all tokens.
   const std::int32_t* map = p.cache.token_to_slot;
-  s.surv_token.clear();
-  for (int t = 0; t < T + S; ++t)
-    if (map[t] >= 0) s.surv_token.push_back(t);
+  survivor_runs(p, s);
   const int n_context_surv = static_cast<int>(s.surv_token.size()) - S;
-  auto runs = [](const auto& key, int n, std::vector<int>& out) {  // run boundaries of key[0, n)
-    out.assign(1, 0);
-    for (int i = 1; i < n; ++i)
-      if (key(i) != key(i - 1)) out.push_back(i);
-    out.push_back(n);
-  };
-  runs([&](int i) { return p.modality[s.surv_token[static_cast<std::size_t>(i)]]; },
-       static_cast<int>(s.surv_token.size()), s.surv_runs);
-  runs([&](int i) { return p.cache.slot_modality[i]; }, N, s.slot_runs);
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, R, N, D, scale, s.q.data(), D, p.cache.k, D, 0.0f,
               s.z.data(), N);
   out.resize(n_rows);

@@ -14,8 +14,8 @@ namespace kvscope::sim {
 
 // The cache of one kv head at one step. Token ids: context t < T, decode step j -> T + j.
 struct StepCache {
-  const float* k = nullptr;                     // [slots, D] float32 (dequantized)
-  const float* v = nullptr;                     // [slots, D]
+  const float* k = nullptr;  // [slots, D] float32 (dequantized)
+  const float* v = nullptr;  // [slots, D]
   int slots = 0;
   const std::int32_t* multiplicity = nullptr;   // [slots] or nullptr (all 1)
   const std::uint8_t* slot_modality = nullptr;  // [slots]
@@ -36,11 +36,15 @@ struct PrefillCache {
   const std::int32_t* multiplicity = nullptr;   // [K + S] or nullptr (all 1)
   const std::uint8_t* slot_modality = nullptr;  // [K + S]
   const std::int32_t* token_to_slot = nullptr;  // [T + S] slot of each token or -1
+  // The context slots are the surviving tokens themselves, in ascending token order, exact (float32
+  // copies, multiplicity 1): an eviction without merging or quantization. The batched CPU evaluation
+  // then reuses the full cache's attention instead of recomputing q.k (evaluate_prefill_rows_cpu).
+  bool exact_context = false;
 };
 
 // Per-row metrics of the G * S query rows of one kv head, row r = s * G + j.
 struct RowMetrics {
-  std::vector<float> output_error, recall, kl, entropy_change;    // [R]
+  std::vector<float> output_error, recall, kl, entropy_change;     // [R]
   std::vector<float> recall_modality, mass_full, mass_compressed;  // [R, 4]
   void resize(std::size_t rows) {
     for (auto* v : {&output_error, &recall, &kl, &entropy_change}) v->resize(rows);
@@ -51,8 +55,8 @@ struct RowMetrics {
 // Working buffers of the batched evaluation, reused across heads and points by one thread.
 struct EvalScratch {
   std::vector<float> q, z, e, o, log_n, slot_mass, cmax;  // [R, D], [R, K + S] x2, [R, D], [K + S] x2, [R]
-  std::vector<double> csum, cent, cmass;                   // [R], [R], [R, 4]
-  std::vector<int> surv_token, surv_runs, slot_runs;       // surviving token ids, run boundaries
+  std::vector<double> csum, cent, cmass;                  // [R], [R], [R, 4]
+  std::vector<int> surv_token, surv_runs, slot_runs;      // surviving token ids, run boundaries
   RowMetrics rows;
 };
 
@@ -60,7 +64,7 @@ struct PrefillProblem {
   LayerData* layer = nullptr;  // full-cache side: layer->full_step(kv_head, s), after prepare_steps()
   int kv_head = 0;
   int group = 0, steps = 0, context_tokens = 0, head_dim = 0;  // G, S, T, D
-  const float* q = nullptr;         // step s's G query rows at q + s * q_step_stride, [G, D] each
+  const float* q = nullptr;  // step s's G query rows at q + s * q_step_stride, [G, D] each
   std::size_t q_step_stride = 0;
   const std::uint8_t* modality = nullptr;  // [T + S] of every token
   PrefillCache cache;
@@ -68,8 +72,18 @@ struct PrefillProblem {
 };
 
 // The S steps of one kv head at once on the CPU (causal_eval_cpu.cpp): the per-row math of
-// kernels::cpu::evaluate_attention with the step's GEMMs batched over the steps.
-void evaluate_prefill_rows_cpu(const PrefillProblem& problem, EvalScratch& scratch, RowMetrics& out);
+// kernels::cpu::evaluate_attention with the step's GEMMs batched over the steps. When
+// problem.cache.exact_context, the compressed attention of each row is the full attention restricted
+// to the survivors and renormalised, so it is read from the full cache (layer->full_step) instead of
+// recomputed (no q.k GEMM, no exp, no log per slot); the metrics equal the recomputed ones up to float
+// rounding (docs/perf.md, "Evaluation reuse"). `reuse_full_attention = false` forces the recomputation.
+void evaluate_prefill_rows_cpu(const PrefillProblem& problem, EvalScratch& scratch, RowMetrics& out,
+                               bool reuse_full_attention = true);
+
+// The reuse path alone: returns false (and writes nothing) when it does not apply (not exact_context,
+// or a row whose survivors hold less than 1e-20 of the full attention, where the full probabilities of
+// the survivors may have underflowed in float32).
+bool evaluate_prefill_rows_reuse(const PrefillProblem& problem, EvalScratch& scratch, RowMetrics& out);
 
 // Evaluates all S steps of kv head `kv_head` on a prefill-mode cache and adds the metrics into
 // `q` exactly like S calls of add_step_quality (same weights, same order of the sums): batched

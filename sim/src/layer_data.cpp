@@ -390,6 +390,7 @@ void LayerData::compute_full_steps() {
     total += static_cast<std::size_t>(Hq) * static_cast<std::size_t>(T + s + 1);
   }
   step_probs_.resize(total);
+  step_plogp_.resize(total);
   step_output_.resize(static_cast<std::size_t>(S) * Hq * D);
   step_entropy_.resize(static_cast<std::size_t>(S) * Hq);
   step_mass_.resize(static_cast<std::size_t>(S) * Hq * 4);
@@ -419,6 +420,12 @@ void LayerData::compute_full_steps() {
         double* mass = &step_mass_f64_[((static_cast<std::size_t>(s) * Hq) + static_cast<std::size_t>(h) * G + j) * 4];
         const float* pr = probs + static_cast<std::size_t>(j) * len;
         for (std::size_t t = 0; t < len; ++t) mass[ctx_.modality_all[t]] += pr[t];
+        float* pl = &step_plogp_[step_probs_offset_[static_cast<std::size_t>(s)] +
+                                 (static_cast<std::size_t>(h) * G + static_cast<std::size_t>(j)) * len];
+        for (std::size_t t = 0; t < len; ++t) {
+          const double x = pr[t];
+          pl[t] = x > 0.0 ? static_cast<float>(x * std::log(x)) : 0.0f;
+        }
       }
     }
   }
@@ -433,6 +440,12 @@ kernels::FullAttention LayerData::full_step(int h, int s) {
   const std::size_t len = static_cast<std::size_t>(ctx_.T + s + 1);
   return kernels::FullAttention{&step_probs_[step_probs_offset_[static_cast<std::size_t>(s)] + static_cast<std::size_t>(h) * G * len],
                                 &step_output_[row * D], &step_entropy_[row], &step_mass_[row * 4]};
+}
+
+const float* LayerData::full_step_plogp(int h, int s) const {
+  const std::size_t len = static_cast<std::size_t>(ctx_.T + s + 1);
+  return &step_plogp_[step_probs_offset_[static_cast<std::size_t>(s)] +
+                      static_cast<std::size_t>(h) * ctx_.geometry.group_size() * len];
 }
 
 const double* LayerData::full_step_mass(int h, int s) const {

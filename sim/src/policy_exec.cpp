@@ -176,7 +176,7 @@ LayerSelection select_on_layer(const PolicySpec& p, double keep, LayerData& L, T
 }
 
 LayerResult execute_selection(const PolicySpec& p, const LayerSelection& sel, LayerData& L, TraceContext& ctx,
-                              bool record_tokens, CompressedLayer* compressed) {
+                              bool record_tokens, CompressedLayer* compressed, bool evaluate) {
   const stages::LayerView view(p, L, ctx);
   const auto& g = ctx.geometry;
   const int H = g.num_kv_heads, Hq = g.num_q_heads, D = g.head_dim, T = ctx.T, S = ctx.S;
@@ -237,10 +237,16 @@ LayerResult execute_selection(const PolicySpec& p, const LayerSelection& sel, La
         sv.resize(rows * D);
         sn.assign(rows, 1);
         std::int32_t* t2 = &tok2slot[static_cast<std::size_t>(w) * T];
+        if (!evaluate && !merging && !p.key_quant) {  // selection only: budget_batch.cpp evaluates
+          for (int s = 0; s < K; ++s) t2[kw[s]] = s;
+          head_bytes[static_cast<std::size_t>(w)].kv = 2ll * K * D * elem;
+          continue;
+        }
         ex.execute(view, T, kwork[static_cast<std::size_t>(w)], vwork[static_cast<std::size_t>(w)], kw, K,
                    merging ? &sel.importance[static_cast<std::size_t>(w) * T] : nullptr,
                    stages::SlotOutput{sk.data(), sv.data(), sn.data(), t2});
         Bytes& b = head_bytes[static_cast<std::size_t>(w)];
+        bool exact = !merging;  // context slots = the kept tokens, exact (evaluation reuse, evaluation.hpp)
         if (p.key_quant && K > 0) {
           const std::size_t KD = static_cast<std::size_t>(K) * D;
           qbuf.resize(KD);
@@ -249,6 +255,8 @@ LayerResult execute_selection(const PolicySpec& p, const LayerSelection& sel, La
             std::vector<float>& data = kv == 0 ? sk : sv;
             const kernels::QuantShape qs{1, K, D, kernels::DType::kF32};
             check(ctx.backend->quantize_dequantize(q, qs, data.data(), qbuf.data()), "quantize");
+            exact = exact && std::equal(qbuf.begin(), qbuf.begin() + static_cast<std::ptrdiff_t>(KD),
+                                        data.begin());
             std::copy_n(qbuf.begin(), KD, data.begin());
             const auto qb = kernels::quantized_bytes(q, 1, K, D, ctx.dtype);
             b.kv += qb.codes;
@@ -279,7 +287,7 @@ LayerResult execute_selection(const PolicySpec& p, const LayerSelection& sel, La
                       sk.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(K) * D));
           std::copy_n(vall.begin() + static_cast<std::ptrdiff_t>(all), SD,
                       sv.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(K) * D));
-          const PrefillCache c{sk.data(), sv.data(), K, sn.data(), smod.data(), t2s.data()};
+          const PrefillCache c{sk.data(), sv.data(), K, sn.data(), smod.data(), t2s.data(), exact};
           add_prefill_quality(L, ctx, h, c, p.proportional_attention, scratch,
                               res.heads[static_cast<std::size_t>(h)].quality);
         }
@@ -365,9 +373,10 @@ LayerResult execute_selection(const PolicySpec& p, const LayerSelection& sel, La
 
 
 LayerResult run_policy_on_layer(const PolicySpec& p, double keep, LayerData& L, TraceContext& ctx,
-                                std::vector<std::string>& warnings, bool record_tokens, CompressedLayer* compressed) {
+                                std::vector<std::string>& warnings, bool record_tokens, CompressedLayer* compressed,
+                                bool evaluate) {
   const LayerSelection sel = select_on_layer(p, keep, L, ctx, warnings);
-  return execute_selection(p, sel, L, ctx, record_tokens, compressed);
+  return execute_selection(p, sel, L, ctx, record_tokens, compressed, evaluate);
 }
 
 }  // namespace kvscope::sim

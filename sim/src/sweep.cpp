@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "alloc_search.hpp"
+#include "budget_batch.hpp"
 
 namespace kvscope::sim {
 
@@ -357,12 +358,40 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
     if (search)
       for (const PolicySpec* s : search->specs()) policies.push_back(s);
     layer.prepare_and_release(policies);
+    // Tasks: one point, or the consecutive points of one eviction-only policy at several budgets,
+    // evaluated together (budget_batch.hpp).
+    const bool batching =
+        options.batch_budgets && ctx.batched_evaluation && ctx.backend->kind() == BackendKind::kCpu;
+    std::vector<std::vector<std::size_t>> tasks;
+    for (std::size_t i = 0; i < points.size(); ++i) {
+      const PolicySpec& ps = points[i].policy;
+      const bool batch = batching && budget_batch_eligible(ps);
+      if (batch && !tasks.empty()) {
+        const PolicySpec& prev = points[tasks.back().front()].policy;
+        if (budget_batch_eligible(prev) && prev.name == ps.name) {
+          tasks.back().push_back(i);
+          continue;
+        }
+      }
+      tasks.push_back({i});
+    }
     std::vector<std::string> errors(points.size());
 #pragma omp parallel for schedule(dynamic)
-    for (std::size_t i = 0; i < points.size(); ++i) {
+    for (std::size_t ti = 0; ti < tasks.size(); ++ti) {
+      const std::vector<std::size_t>& task = tasks[ti];
+      const std::size_t i = task.front();
       const auto t0 = std::chrono::steady_clock::now();
       try {
-        if (points[i].policy.mode == PolicyMode::kDecode) {
+        if (task.size() > 1) {
+          std::vector<double> keeps;
+          std::vector<std::vector<std::string>*> warns;
+          for (std::size_t j : task) {
+            keeps.push_back(keep[j]);
+            warns.push_back(&warn[j]);
+          }
+          std::vector<LayerResult> rs = run_budgets_on_layer(points[i].policy, keeps, layer, ctx, warns);
+          for (std::size_t n = 0; n < task.size(); ++n) out.points[task[n]].layers.push_back(std::move(rs[n]));
+        } else if (points[i].policy.mode == PolicyMode::kDecode) {
           out.points[i].layers.push_back(
               run_decode_policy_on_layer(points[i].policy, keep[i], cap[i], layer, ctx, warn[i]));
         } else {
@@ -371,9 +400,14 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
       } catch (const std::exception& e) {
         errors[i] = out.points[i].policy + "@" + out.points[i].budget + ": " + e.what();
       }
-      out.points[i].seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      // A task's time is shared equally by its points.
+      const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      for (std::size_t j : task) out.points[j].seconds += dt / static_cast<double>(task.size());
 #pragma omp critical(kvscope_sweep_progress)
-      if (options.progress) options.progress(++done, total);
+      {
+        done += task.size();
+        if (options.progress) options.progress(done, total);
+      }
     }
     for (const auto& e : errors)
       if (!e.empty()) throw std::runtime_error(e);

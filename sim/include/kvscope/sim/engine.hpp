@@ -115,6 +115,9 @@ class LayerData {
   // Full attention mass per modality of those G rows, in double, summed over tokens 0 .. T + s in
   // order (the evaluation kernel's own sum, shared by every point of the layer): [G, 4].
   const double* full_step_mass(int kv_head, int step) const;
+  // p(t) log p(t) of full_step(kv_head, step).probs, same layout ([G, T + step + 1]; 0 where p = 0): the
+  // entropy of a compressed cache that only evicts is a sum of these over its survivors.
+  const float* full_step_plogp(int kv_head, int step) const;
   void prepare_steps() {
     if (!have_steps_) compute_full_steps();
   }
@@ -171,6 +174,7 @@ class LayerData {
   std::vector<float> step_probs_, step_output_, step_entropy_, step_mass_;  // ragged by step
   std::vector<std::size_t> step_probs_offset_;                            // [S] start of step s in step_probs_
   std::vector<double> step_mass_f64_;                                     // [S, Hq, 4]
+  std::vector<float> step_plogp_;                                         // as step_probs_: p log p
   bool have_steps_ = false;
   bool have_similarity_ = false;
   bool prefill_released_ = false;
@@ -271,15 +275,19 @@ LayerSelection select_on_layer(const PolicySpec& policy, double keep, LayerData&
                                std::vector<std::string>& warnings);
 // The execution half: keep / merge (executor) -> quantize (quantizer) -> bytes -> quality on the
 // evaluation queries. run_policy_on_layer = select_on_layer + execute_selection.
+// evaluate = false: see run_policy_on_layer.
 LayerResult execute_selection(const PolicySpec& policy, const LayerSelection& selection, LayerData& layer,
-                              TraceContext& ctx, bool record_tokens = false, CompressedLayer* compressed = nullptr);
+                              TraceContext& ctx, bool record_tokens = false, CompressedLayer* compressed = nullptr,
+                              bool evaluate = true);
 
 // Runs `policy` with a mean keep fraction on one layer. Warnings (e.g. a budget
 // clamped up to the forced set) are appended to `warnings`.
 // With record_tokens, LayerResult::token_maps says what happened to every token of every kv head.
 // With `compressed`, the compressed context cache is also returned (closed-loop evaluation).
+// With evaluate = false, a policy that only evicts (no merging, no quantizer) stops after the selection:
+// counts, bytes and token maps are filled, the quality stays 0 (sim/src/budget_batch.cpp evaluates).
 LayerResult run_policy_on_layer(const PolicySpec& policy, double keep, LayerData& layer, TraceContext& ctx,
                                 std::vector<std::string>& warnings, bool record_tokens = false,
-                                CompressedLayer* compressed = nullptr);
+                                CompressedLayer* compressed = nullptr, bool evaluate = true);
 
 }  // namespace kvscope::sim

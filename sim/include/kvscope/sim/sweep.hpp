@@ -82,6 +82,9 @@ struct SweepOptions {
   // The question inside the compressed context (move_question_into_context): the decode steps before the
   // first answer step join the context, the answer steps are the evaluation queries.
   bool question_in_context = false;
+  // Evaluate the budgets of one eviction-only policy together on the CPU backend (sim/src/budget_batch.hpp):
+  // same results up to float rounding; false evaluates every point on its own.
+  bool batch_budgets = true;
 };
 
 struct SweepOutput {
