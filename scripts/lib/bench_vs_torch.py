@@ -161,7 +161,7 @@ def main():
                            stderr=subprocess.DEVNULL)
     replayed = ",".join(torch_replay.REPLAYED)
     kv_csv = os.path.join(work, "kvsim.csv")
-    kv_all = [a.kvsim, "sweep", "--trace", trace, "-q", "--oracle", "none", "-b", a.budgets,
+    kv_all = [a.kvsim, "sweep", "--trace", trace, "-q", "--alloc-search", "none", "--no-bound", "-b", a.budgets,
               "--threads", str(a.kvsim_threads)]
     kv_sub = kv_all + ["-p", replayed]
     rp = lambda n, o: [sys.executable, os.path.join(HERE, "torch_replay.py"), trace, "--threads", str(n),  # noqa: E731

@@ -69,7 +69,7 @@ policies=full,snapkv,streamingllm,tova
 for mode in after inside; do
   extra=()
   [[ $mode == inside ]] && extra=(--question-in-context)
-  if "$kvsim" sweep -t "$dir/split.h5" -q -p $policies -b 0.25 --oracle none --threads 2 "${extra[@]}" \
+  if "$kvsim" sweep -t "$dir/split.h5" -q -p $policies -b 0.25 --alloc-search none --no-bound --threads 2 "${extra[@]}" \
        --csv "$dir/$mode.csv" >"$dir/$mode.out" 2>"$dir/$mode.err"; then ok "kvsim sweep ($mode)"
   else bad "kvsim sweep ($mode): $(cat "$dir/$mode.err")"; fi
 done

@@ -116,6 +116,10 @@ class Scorer : public Stage {
   }
 };
 
+// Score = token id (newest first), in prefill and decode mode: the recency scorer
+// (scorers/recency.cpp), which the `none` scorer also ranks by.
+std::unique_ptr<Stage> newest_first_scorer(StageInfo info);
+
 // ---- budget allocator
 class Allocator : public Stage {
  public:
@@ -163,6 +167,21 @@ class Quantizer : public Stage {
   using Stage::Stage;
   // The (key, value) specs; false: no quantization.
   virtual bool specs(kernels::QuantSpec* key, kernels::QuantSpec* value) const = 0;
+};
+
+// A quantizer that is one fixed (key, value) pair of specs, as every built-in one is.
+class FixedQuantizer final : public Quantizer {
+ public:
+  FixedQuantizer(StageInfo info, const kernels::QuantSpec& key, const kernels::QuantSpec& value)
+      : Quantizer(std::move(info)), key_(key), value_(value) {}
+  bool specs(kernels::QuantSpec* key, kernels::QuantSpec* value) const override {
+    *key = key_;
+    *value = value_;
+    return true;
+  }
+
+ private:
+  kernels::QuantSpec key_, value_;
 };
 
 // ---- registry (registry.cpp lists every built-in stage)

@@ -27,14 +27,17 @@ class Recency final : public Scorer {
 
 }  // namespace
 
+std::unique_ptr<Stage> newest_first_scorer(StageInfo info) {
+  return std::make_unique<Recency>(std::move(info));
+}
+
 std::unique_ptr<Stage> make_scorer_recency() {
-  return std::make_unique<Recency>(
-      StageInfo{StageKind::kScorer,
-                "recency",
-                "score = token index: the newest tokens are kept",
-                "Beltagy et al. 2020 (Longformer); Xiao et al. 2023 (StreamingLLM)",
-                true,
-                {}});
+  return newest_first_scorer(StageInfo{StageKind::kScorer,
+                                       "recency",
+                                       "score = token index: the newest tokens are kept",
+                                       "Beltagy et al. 2020 (Longformer); Xiao et al. 2023 (StreamingLLM)",
+                                       true,
+                                       {}});
 }
 
 }  // namespace kvscope::sim::stages
