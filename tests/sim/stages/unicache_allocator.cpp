@@ -4,8 +4,11 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <numeric>
 
+#include "kvscope/sim/closed_loop.hpp"
 #include "kvscope/sim/engine.hpp"
 #include "kvscope/sim/policy.hpp"
 #include "kvscope/synth/synth.hpp"
@@ -151,4 +154,32 @@ TEST(UniCacheAllocator, DecodeCapFollowsTheCosineLayerSchedule) {
   }
   EXPECT_GT(slots.front(), 0);
   EXPECT_LT(slots.front(), slots.back());  // shallow layers compressed more (rate 0.75 -> 0.45)
+}
+
+TEST(UniCacheAllocator, WithoutABudgetTheDecodeCapIsTheOwnScheduleMeanKeep) {
+  // The closed loop's decode compressor (the sweep: test_decode) caps a point without a budget at the
+  // unicache schedule's mean keep, here (0.25 + 0.55) / 2 over 2 layers; h2o~decode never evicts then.
+  trace::ModelGeometry g;
+  g.num_layers = 2;
+  g.num_q_heads = 2;
+  g.num_kv_heads = 1;
+  g.head_dim = 8;
+  ContextLabels labels;
+  labels.modality.assign(8, 0);
+  labels.position = {0, 1, 2, 3, 4, 5, 6, 7};
+  labels.segment.assign(8, 0);
+  labels.grid_row.assign(8, -1);
+  labels.grid_col.assign(8, -1);
+  const std::filesystem::path ini = kvscope::testing::scratch_dir() / "unicache_evict.ini";
+  std::ofstream(ini) << "[policy uc-evict]\nbase = unicache\nexecutor = evict\nmode = decode\n";
+  PolicyRegistry reg;
+  reg.load_ini(ini.string());
+  const Budget none = parse_budget("");
+  EXPECT_NEAR(DecodeCompressor(reg.get("uc-evict"), none, g, trace::DType::kF32, labels).cap_keep(), 0.40,
+              1e-6);
+  EXPECT_EQ(DecodeCompressor(reg.get("h2o~decode"), none, g, trace::DType::kF32, labels).cap_keep(), 1.0);
+  EXPECT_NEAR(
+      DecodeCompressor(reg.get("uc-evict"), parse_budget("0.3"), g, trace::DType::kF32, labels).cap_keep(),
+      0.3, 1e-9);
+  std::filesystem::remove(ini);
 }
