@@ -153,7 +153,7 @@ DecodeCompressor::DecodeCompressor(PolicySpec policy, Budget budget, const trace
     cap_keep_ = keep_fraction(policy_, policy_.cap, base_);
     prefill_keep_ = has_budget ? keep : 1.0;
   } else {
-    cap_keep_ = has_budget ? keep : 1.0;
+    cap_keep_ = has_budget || !policy_needs_budget(policy_) ? keep : 1.0;
     prefill_keep_ = 1.0;
   }
   layers_.resize(static_cast<std::size_t>(geometry.num_layers));

@@ -60,6 +60,10 @@ LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep,
   if (S <= 0) throw std::runtime_error("no evaluation queries");
   const stages::LayerView view(p, L, ctx);
   L.prepare_steps();
+  // Head merging is prefill-only (check_decode_support): every kv head keeps its own resident set.
+  if (layer == 0 && H > 1 && !find_stage_info(StageKind::kHeadMerge, p.stages.head_merge)->decode)
+    warnings.push_back("decode mode runs the kv heads unmerged (head_merge '" + p.stages.head_merge +
+                       "' merges heads in prefill mode only)");
   const auto& kall = L.k_all();
   const auto& vall = L.v_all();
   const auto& qs = L.q_steps();
@@ -69,6 +73,7 @@ LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep,
   if (prefill_keep < 1.0) {
     PolicySpec pre = p;
     pre.mode = PolicyMode::kPrefill;
+    pre.stages.head_merge = "none";  // decode mode runs the kv heads unmerged
     pre.key_quant.reset();
     pre.value_quant.reset();
     const LayerResult r = run_policy_on_layer(pre, prefill_keep, L, ctx, warnings, true);
@@ -196,9 +201,10 @@ LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep,
         stages::TokenView resident;
         resident.count = K;
         resident.modality = smod.data();
+        resident.id = hs.tokens.data();
         for (int i = 0; i < K; ++i) ++resident.per_modality[smod[static_cast<std::size_t>(i)]];
         protect.assign(static_cast<std::size_t>(K), 0);
-        allocator.allocate_resident(view, resident, k, sel, protect);
+        allocator.allocate_resident(view, resident, scores, k, sel, protect);
         const bool any_protected = std::find(protect.begin(), protect.end(), 1) != protect.end();
         auto is_forced = [&](int i) { return i < sel.num_sinks || i >= K - sel.recent_window || protect[static_cast<std::size_t>(i)]; };
         int forced = 0;

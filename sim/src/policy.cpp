@@ -468,11 +468,15 @@ void check_decode_support(const PolicySpec& p, const std::string& where) {
                                                            {StageKind::kExecutor, &p.stages.executor},
                                                            {StageKind::kQuantizer, &p.stages.quantizer}};
   if (!p.compress_tokens) bad = "it does not evict tokens (decode mode needs a token scorer)";
-  else if (p.adaptive) bad = "adaptive budgets";
+  else if (p.adaptive)
+    bad = "adaptive budgets (the adaptive rate replaces the point's budget, which decode mode needs as its cap; "
+          "give a cap instead, e.g. unicache~decode@0.4)";
   else {
     for (const auto& [kind, name] : used) {
       const StageInfo* info = find_stage_info(kind, *name);
-      if (info && !info->decode) {
+      // A head merge without a decode mode is not refused: decode mode runs the kv heads unmerged
+      // (run_decode_policy_on_layer warns).
+      if (info && !info->decode && kind != StageKind::kHeadMerge) {
         bad = std::string("its ") + stage_kind_name(kind) + " '" + *name + "'";
         break;
       }

@@ -343,7 +343,8 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
             keep[i] = has_budget ? keep[i] : 1.0;
             out.points[i].budget_value = keep[i];
           } else {
-            cap[i] = has_budget ? keep[i] : 1.0;
+            // (no budget: an allocator with a schedule of its own caps at its default keep)
+            cap[i] = has_budget || !policy_needs_budget(ps) ? keep[i] : 1.0;
             keep[i] = 1.0;
             out.points[i].budget_value = cap[i];
           }
@@ -433,9 +434,16 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
     if (!resident.empty()) pt.total.bytes_peak = *std::max_element(resident.begin(), resident.end());
     pt.flags = detect_collapse(pt, options.thresholds, has_vision);
     if (i >= warn.size() || warn[i].empty()) continue;
-    // One line per point: the first clamp, and how many more layers had one.
-    std::string line = pt.policy + "@" + pt.budget + ": " + warn[i][0];
-    if (warn[i].size() > 1) line += " (and " + std::to_string(warn[i].size() - 1) + " more layers)";
+    // One line per point: the first clamp, and how many more layers had one; a notice that names no
+    // layer (decode mode's unmerged heads) gets a line of its own.
+    std::vector<std::string> layered;
+    for (const std::string& w : warn[i]) {
+      if (w.rfind("layer ", 0) == 0) layered.push_back(w);
+      else out.warnings.push_back(pt.policy + "@" + pt.budget + ": " + w);
+    }
+    if (layered.empty()) continue;
+    std::string line = pt.policy + "@" + pt.budget + ": " + layered[0];
+    if (layered.size() > 1) line += " (and " + std::to_string(layered.size() - 1) + " more layers)";
     out.warnings.push_back(line);
   }
   finish_query_sets(out, reader.path());

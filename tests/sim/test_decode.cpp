@@ -159,6 +159,59 @@ TEST(Decode, FixedCapWithPrefillBudgetStartsCompressed) {
   fs::remove(ini);
 }
 
+TEST(Decode, UniCacheRunsInDecodeModeWithItsInvariants) {
+  PolicyRegistry reg;
+  const fs::path ini = kvscope::testing::scratch_dir() / "unicache-decode.ini";
+  std::ofstream(ini) << "[policy uc-exact]\nbase = unicache\nquant = none\nmode = decode\n";
+  reg.load_ini(ini.string());
+  // A cap of the whole context never evicts: without the quantizer the cache is exact.
+  const auto exact = sweep({"uc-exact@1"}, nullptr, reg);
+  EXPECT_NEAR(exact[0].total.quality.output_error, 0.0, 1e-6);
+  // ... plus the merging executor's int32 multiplicity per slot.
+  EXPECT_EQ(exact[0].total.bytes_end, exact[0].total.bytes_full_end + 4ll * kH * (kT + kS) * 4);
+  fs::remove(ini);
+  // Without a budget the cap is UniCache's own schedule (mean keep 0.40), so it evicts.
+  const auto r = sweep({"unicache~decode", "unicache~decode@0.3", "unicache-long-video~decode@0.3",
+                        "unicache-doc-qa~decode@0.3", "unicache-realtime-chat~decode:3@0.3"});
+  for (const auto& p : r) {
+    SCOPED_TRACE(p.policy);
+    EXPECT_EQ(p.mode, "decode");
+    EXPECT_LT(p.total.bytes_end, p.total.bytes_full_end);
+    int evicted = 0;
+    for (const auto& l : p.layers)
+      for (const auto& st : l.steps) {
+        evicted += st.evicted;
+        EXPECT_LE(st.bytes_after, st.bytes_before);
+      }
+    EXPECT_GT(evicted, 0);
+    EXPECT_LT(p.total.quality.output_error, 1.0);
+  }
+  EXPECT_NEAR(r[0].budget_value, 0.40, 0.01);
+  // Sinks and the recent window survive every step; the cap (per layer: the cosine schedule)
+  // holds unless the forced set exceeds it.
+  const PolicySpec p = reg.get("unicache~decode");
+  trace::TraceReader reader(trace_path());
+  TraceContext ctx = TraceContext::from_reader(reader);
+  int merged_total = 0;
+  for (int layer = 0; layer < 4; ++layer) {
+    LayerData L(layer, reader.read_layer(layer), reader.read_decode_layer(layer), ctx);
+    std::vector<std::string> warnings;
+    const LayerResult lr = run_decode_policy_on_layer(p, 1.0, 0.3, L, ctx, warnings, true);
+    for (const TokenMap& tm : lr.token_maps) {
+      for (int t = 0; t < 4; ++t) EXPECT_GE(tm.slot[static_cast<std::size_t>(t)], 0) << "sink " << t;
+      for (int j = kS - 8; j < kS; ++j)
+        EXPECT_NE(std::find(tm.slot_token.begin(), tm.slot_token.end(), kT + j), tm.slot_token.end()) << j;
+    }
+    int merged = 0;
+    for (const HeadResult& hr : lr.heads) {
+      for (int m = 0; m < 4; ++m) merged += static_cast<int>(hr.merged[m]);
+      EXPECT_GT(hr.bytes_kept.multiplicity, 0);
+    }
+    merged_total += merged;
+  }
+  EXPECT_GT(merged_total, 0);  // redundant dropped tokens merged at the default threshold
+}
+
 TEST(Decode, PrefillModeKeepsDecodeTokensExactly) {
   const auto r = sweep({"h2o@0.5", "full"});
   const std::int64_t decode_bytes = 4ll * kH * kS * kD * 2 * 2;
@@ -182,7 +235,7 @@ TEST(Decode, BadSyntaxIsRejectedWithTheValidForm) {
       EXPECT_NE(std::string(e.what()).find("NAME~decode:INTERVAL"), std::string::npos) << e.what();
     }
   }
-  for (const char* unsupported : {"unicache~decode", "vision-stride~decode", "int8~decode", "adaptive-h2o~decode"}) {
+  for (const char* unsupported : {"adaptive~decode", "vision-stride~decode", "int8~decode", "adaptive-h2o~decode"}) {
     try {
       reg.get(unsupported);
       ADD_FAILURE() << unsupported << " accepted";

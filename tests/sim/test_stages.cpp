@@ -157,7 +157,8 @@ TEST(Stages, DecodeSupportIsWhatEachStageDeclares) {
       PolicySpec p = PolicyRegistry().get("h2o");
       p.set(key, i->name);
       p.mode = PolicyMode::kDecode;
-      if (i->decode) {
+      // A head merge without a decode mode is accepted: decode mode runs the kv heads unmerged.
+      if (i->decode || kind == StageKind::kHeadMerge) {
         EXPECT_NO_THROW(check_decode_support(p, "t")) << key << " " << i->name;
       } else {
         try {
@@ -174,12 +175,25 @@ TEST(Stages, DecodeSupportIsWhatEachStageDeclares) {
   }
   // The supported list in the message is the declared one.
   try {
-    PolicyRegistry().get("unicache~decode");
-    ADD_FAILURE() << "unicache~decode accepted";
+    PolicyRegistry().get("vision-stride~decode");
+    ADD_FAILURE() << "vision-stride~decode accepted";
   } catch (const PolicyError& e) {
-    EXPECT_NE(
-        std::string(e.what()).find("it supports scorers none, recency, h2o, snapkv, tova, knorm, random"),
-        std::string::npos)
+    EXPECT_NE(std::string(e.what()).find(
+                  "it supports scorers none, recency, h2o, snapkv, tova, knorm, random, unicache, keydiff"),
+              std::string::npos)
+        << e.what();
+  }
+  // Every UniCache preset runs in decode mode; adaptive is refused with its reason.
+  for (const char* name : {"unicache~decode", "unicache-long-video~decode", "unicache-doc-qa~decode",
+                           "unicache-realtime-chat~decode:4"})
+    EXPECT_NO_THROW(PolicyRegistry().get(name)) << name;
+  try {
+    PolicyRegistry().get("adaptive~decode");
+    ADD_FAILURE() << "adaptive~decode accepted";
+  } catch (const PolicyError& e) {
+    EXPECT_NE(std::string(e.what()).find("does not support adaptive budgets (the adaptive rate replaces the "
+                                         "point's budget, which decode mode needs as its cap"),
+              std::string::npos)
         << e.what();
   }
 }

@@ -28,6 +28,7 @@ struct TokenView {
   const std::int32_t* position = nullptr;  // [T] RoPE position
   const std::int32_t* grid_row = nullptr;  // [T] patch row, -1 off any grid
   const std::int32_t* grid_col = nullptr;  // [T] patch column, -1 off any grid
+  const std::int32_t* id = nullptr;        // [K] resident token ids (decode mode's resident view only)
   PerModalityCount per_modality{};         // tokens of each modality
   int modality_of(int t) const { return modality[t]; }
   bool is_vision(int t) const { return modality[t] == static_cast<std::uint8_t>(kernels::Modality::kVision); }
@@ -134,9 +135,11 @@ class Allocator : public Stage {
                         int& /*k*/, kernels::SelectParams& /*sp*/,
                         std::vector<std::uint8_t>& /*protect*/) const {}
   // Decode mode (only when info().decode): per-modality budgets and protected tokens among the K
-  // resident tokens (resident.modality [K]; decode tokens are text) for a cap of k tokens.
-  virtual void allocate_resident(const LayerView&, const TokenView& /*resident*/, int& /*k*/,
-                                 kernels::SelectParams& /*sp*/, std::vector<std::uint8_t>& /*protect*/) const {}
+  // resident tokens (resident.modality, resident.id [K]; decode tokens are text) for a cap of k
+  // tokens. scores: [K] the scorer's scores of the resident tokens.
+  virtual void allocate_resident(const LayerView&, const TokenView& /*resident*/,
+                                 const std::vector<float>& /*scores*/, int& /*k*/, kernels::SelectParams& /*sp*/,
+                                 std::vector<std::uint8_t>& /*protect*/) const {}
   // A schedule of its own: a point without a budget keeps default_keep() (else 0.5, and
   // `kvsim run` asks for a budget).
   virtual bool own_schedule() const { return false; }

@@ -37,8 +37,8 @@ class Hybrid final : public Allocator {
                 std::vector<std::uint8_t>&) const override {
     split(v.tokens.per_modality, v.policy.params.real("hybrid_text_share"), k, sp);
   }
-  void allocate_resident(const LayerView& v, const TokenView& resident, int& k, kernels::SelectParams& sp,
-                         std::vector<std::uint8_t>&) const override {
+  void allocate_resident(const LayerView& v, const TokenView& resident, const std::vector<float>&, int& k,
+                         kernels::SelectParams& sp, std::vector<std::uint8_t>&) const override {
     split(resident.per_modality, v.policy.params.real("hybrid_text_share"), k, sp);
   }
 };

@@ -1,5 +1,6 @@
 // unicache: cosine layer schedule (rescaled to the budget's mean), density-driven cross-modal
-// split with caps, alignment protection (seed 000 steps 3-5).
+// split with caps, alignment protection (seed 000 steps 3-5). Decode mode: the schedule scales the
+// cap per layer, and the split and protection run on the resident tokens at each eviction.
 #include <algorithm>
 #include <cmath>
 
@@ -69,11 +70,38 @@ class UniCacheAllocator final : public Allocator {
 
   void allocate(const LayerView& v, const std::vector<float>& scores, int Hw, int& k,
                 kernels::SelectParams& sp, std::vector<std::uint8_t>& protect) const override {
+    split_and_protect(v, v.tokens.per_modality, v.T, k, sp, protect, [&](int t) {
+      float score = 0;
+      for (int w = 0; w < Hw; ++w) score += scores[v.index(w, t)];
+      return Token{v.tokens.modality_of(t), t, score};
+    });
+  }
+  // Decode mode: the same split of the cap over the K resident tokens (rate 1 - k / K; decode
+  // tokens are text), alignment tokens being the resident context tokens whose prefill given share
+  // exceeds the threshold (a decode token is never one), ranked by the resident scores.
+  void allocate_resident(const LayerView& v, const TokenView& resident, const std::vector<float>& scores,
+                         int& k, kernels::SelectParams& sp,
+                         std::vector<std::uint8_t>& protect) const override {
+    split_and_protect(v, resident.per_modality, resident.count, k, sp, protect, [&](int i) {
+      const std::int32_t id = resident.id[i];
+      return Token{resident.modality_of(i), id < v.T ? id : -1, scores[static_cast<std::size_t>(i)]};
+    });
+  }
+
+ private:
+  struct Token {
+    int modality;
+    int context_id;  // context token id (reads the prefill given share), -1: not a context token
+    float score;     // summed over the working heads
+  };
+  // n: tokens of each modality among the N candidates; token(i), i < N: candidate i.
+  template <class TokenAt>
+  void split_and_protect(const LayerView& v, const PerModalityCount& n, int N, int& k,
+                         kernels::SelectParams& sp, std::vector<std::uint8_t>& protect, TokenAt token) const {
     const UniCacheConfig u = unicache_config(v.policy);
-    const PerModalityCount& n = v.tokens.per_modality;
-    const int T = v.T, H = v.kv_heads;
+    const int H = v.kv_heads;
     PerModality mod_rate{};                                // compression rate per modality
-    const double rate = 1.0 - static_cast<double>(k) / T;  // this layer's overall compression rate
+    const double rate = 1.0 - static_cast<double>(k) / N;  // this layer's overall compression rate
     // Density: the more similar a modality's keys are to each other, the more it is compressed.
     const PerModality& sim = v.data.modality_similarity();
     double wsum = 0, nsum = 0;
@@ -82,7 +110,7 @@ class UniCacheAllocator final : public Allocator {
       nsum += static_cast<double>(n[static_cast<std::size_t>(m)]);
     }
     const double mean_sim = nsum > 0 ? wsum / nsum : 1.0;
-    double removed_target = rate * T, removed = 0;
+    double removed_target = rate * N, removed = 0;
     for (int m : {kText, kVision, 2}) {
       const double cap = m == kText ? u.text_cap : u.vision_cap;
       const double r = rate * std::max(0.05, sim[static_cast<std::size_t>(m)]) / mean_sim;
@@ -116,12 +144,12 @@ class UniCacheAllocator final : public Allocator {
     const auto& given = v.data.cross_given();  // [Hkv, T]
     for (int m = 0; m < kModalities; ++m) {
       std::vector<std::pair<float, int>> align;
-      for (int t = 0; t < T; ++t) {
-        if (v.tokens.modality_of(t) != m) continue;
-        float gshare = 0, score = 0;
-        for (int h = 0; h < H; ++h) gshare += given[v.index(h, t)];
-        for (int w = 0; w < Hw; ++w) score += scores[v.index(w, t)];
-        if (gshare / H > u.align_threshold) align.emplace_back(-score, t);
+      for (int i = 0; i < N; ++i) {
+        const Token t = token(i);
+        if (t.modality != m || t.context_id < 0) continue;
+        float gshare = 0;
+        for (int h = 0; h < H; ++h) gshare += given[v.index(h, t.context_id)];
+        if (gshare / H > u.align_threshold) align.emplace_back(-t.score, i);
       }
       std::sort(align.begin(), align.end());
       const double keep_align = 1.0 - u.align_discount * mod_rate[static_cast<std::size_t>(m)];
@@ -142,7 +170,7 @@ std::unique_ptr<Stage> make_allocator_unicache() {
       "unicache",
       "cosine layer schedule + density-driven cross-modal split with caps",
       src,
-      false,
+      true,
       {float_param("unicache.rate_shallow", "0.75", 0, 0.99, "compression rate of the first layer", src),
        float_param("unicache.rate_deep", "0.45", 0, 0.99, "compression rate of the last layer", src),
        float_param("unicache.rate_offset", "0", -0.99, 0.99,

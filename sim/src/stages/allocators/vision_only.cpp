@@ -16,8 +16,8 @@ class VisionOnly final : public Allocator {
                 std::vector<std::uint8_t>& protect) const override {
     for (int t = 0; t < v.T; ++t) protect[static_cast<std::size_t>(t)] = !v.tokens.is_vision(t);
   }
-  void allocate_resident(const LayerView&, const TokenView& resident, int&, kernels::SelectParams&,
-                         std::vector<std::uint8_t>& protect) const override {
+  void allocate_resident(const LayerView&, const TokenView& resident, const std::vector<float>&, int&,
+                         kernels::SelectParams&, std::vector<std::uint8_t>& protect) const override {
     for (int i = 0; i < resident.count; ++i) protect[static_cast<std::size_t>(i)] = !resident.is_vision(i);
   }
 };

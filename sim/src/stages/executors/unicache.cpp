@@ -1,5 +1,7 @@
 // unicache executor (seed 000 step 6): a dropped token merges into the most similar kept token
 // within +-merge_window positions if the cosine is > unicache.merge_threshold, else it is evicted.
+// Decode mode: the same rule on the resident cache at each eviction, as merge-evicted's (the window
+// counts resident slots, multiplicities carried; sim/src/decode_exec.cpp).
 #include "../stage.hpp"
 
 namespace kvscope::sim::stages {
@@ -30,7 +32,7 @@ std::unique_ptr<Stage> make_executor_unicache() {
       "unicache",
       "redundant dropped tokens merge, the rest are evicted",
       src,
-      false,
+      true,
       {float_param("unicache.merge_threshold", "0.8", -1, 1, "merge if the key cosine is > this", src),
        int_param("merge_window", "8", 0, 1e6, "positions within which tokens may merge", src)}});
 }

@@ -1,6 +1,7 @@
 // cosine (head_merge = true): kv heads whose flattened key matrices have cosine > the threshold
 // with a cluster's first head join it (greedy, head order); K and V of a cluster are averaged.
-// The merged heads are computed once per layer and threshold (LayerData::merged_heads).
+// The merged heads are computed once per layer and threshold (LayerData::merged_heads). Prefill
+// only: decode mode runs the kv heads unmerged (docs/policies.md "Decode-time mode", step 8).
 #include "../stage.hpp"
 
 namespace kvscope::sim::stages {
@@ -42,7 +43,7 @@ std::unique_ptr<Stage> make_head_merge_cosine() {
   return std::make_unique<CosineMerge>(
       StageInfo{StageKind::kHeadMerge,
                 "cosine",
-                "merge kv heads whose key cosine exceeds the threshold",
+                "merge kv heads whose key cosine exceeds the threshold (prefill; decode mode runs unmerged)",
                 src,
                 false,
                 {float_param("head_merge_threshold", "0.88", -1, 1,
