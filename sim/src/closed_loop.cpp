@@ -32,6 +32,20 @@ trace::Tensor last_token(const std::vector<float>& x, std::size_t heads, std::si
 
 }  // namespace
 
+void check_closed_loop_support(const PolicySpec& p) {
+  if (p.stages.scorer == "oracle-topk") {
+    throw PolicyError("closed loop: '" + p.name +
+                      "' is the query-aware bound of sweeps, not a policy: it reads the evaluation queries, which a "
+                      "closed loop only has after decoding");
+  }
+  if (p.mode != PolicyMode::kDecode) return;
+  check_decode_support(p, "'" + p.name + "'");
+  // The live cache is rebuilt from the resident token ids, which cannot carry merged slots.
+  if (p.stages.executor != "evict")
+    throw PolicyError("closed loop: '" + p.name + "': decode mode with the merging executor '" + p.stages.executor +
+                      "' is not supported in the closed loop (kvsim replays it)");
+}
+
 PrefillCompressor::PrefillCompressor(PolicySpec policy, Budget budget, const trace::ModelGeometry& geometry,
                                      trace::DType dtype, const ContextLabels& labels)
     : policy_(std::move(policy)), budget_(std::move(budget)) {
@@ -39,11 +53,7 @@ PrefillCompressor::PrefillCompressor(PolicySpec policy, Budget budget, const tra
     throw PolicyError("closed loop: decode-time policy '" + policy_.name +
                       "' is not supported yet (prefill-mode policies only)");
   }
-  if (policy_.stages.scorer == "oracle-topk") {
-    throw PolicyError("closed loop: '" + policy_.name +
-                      "' is the query-aware bound of sweeps, not a policy: it reads the evaluation queries, which a "
-                      "closed loop only has after decoding");
-  }
+  check_closed_loop_support(policy_);
   const int T = labels.size();
   if (T < 1) throw std::invalid_argument("closed loop: empty context");
   if (labels.position.size() != static_cast<std::size_t>(T) ||
@@ -137,11 +147,7 @@ DecodeCompressor::DecodeCompressor(PolicySpec policy, Budget budget, const trace
     : policy_(std::move(policy)) {
   if (policy_.mode != PolicyMode::kDecode)
     throw PolicyError("closed loop: '" + policy_.name + "' is not decode-time");
-  check_decode_support(policy_, "'" + policy_.name + "'");
-  // The live cache is rebuilt from the resident token ids, which cannot carry merged slots.
-  if (policy_.stages.executor != "evict")
-    throw PolicyError("closed loop: '" + policy_.name + "': decode mode with the merging executor '" +
-                      policy_.stages.executor + "' is not supported in the closed loop (kvsim replays it)");
+  check_closed_loop_support(policy_);
   // Reuse the prefill compressor's label checks and context.
   PolicySpec pre = policy_;
   pre.mode = PolicyMode::kPrefill;

@@ -17,6 +17,7 @@
 #include "kvscope/runner/chat_template.hpp"
 #include "kvscope/runner/error.hpp"
 #include "kvscope/runner/tokenizer.hpp"
+#include "kvscope/sim/closed_loop.hpp"
 #include "kvscope/sim/sweep.hpp"
 
 namespace po = boost::program_options;
@@ -117,7 +118,7 @@ int eval_command(const std::vector<std::string>& args) {
     std::set<std::string> seen{"full"};
     for (const auto& name : split_commas(vm["policies"].as<std::string>())) {
       sim::PolicySpec p = registry.get(name);
-      if (p.mode == sim::PolicyMode::kDecode) sim::check_decode_support(p, "policy '" + name + "'");
+      sim::check_closed_loop_support(p);  // before any sample runs: one line, no progress bar
       if (seen.insert(p.name).second) specs.push_back(std::move(p));
     }
     points = sim::make_sweep_points(specs, sim::parse_budget_list(vm["budgets"].as<std::string>()));

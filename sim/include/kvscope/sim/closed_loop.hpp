@@ -28,6 +28,11 @@ struct CompressedLayerResult {
   LayerResult result;  // heads[h].bytes_kept, bytes_kept_modality, kept / merged / evicted counts
 };
 
+// Throws PolicyError (one line naming the policy) when the closed loop cannot run `policy`: the
+// oracle-topk bound (it reads the evaluation queries), a decode-mode stage decode mode does not support,
+// or decode mode with a merging executor (the live cache is rebuilt from resident token ids).
+void check_closed_loop_support(const PolicySpec& policy);
+
 // Compresses the prefill cache of one run, layer by layer in order 0 .. L-1 (layer 0 fixes the input
 // complexity the adaptive policies read, as in kvsim). Prefill-mode policies only: a decode-time
 // policy (~decode) throws PolicyError. `dtype` is the element type the bytes are accounted in (the
