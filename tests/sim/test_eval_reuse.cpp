@@ -16,8 +16,8 @@
 #include "kvscope/sim/engine.hpp"
 #include "kvscope/sim/policy.hpp"
 #include "kvscope/sim/sweep.hpp"
-#include "kvscope/synth/synth.hpp"
 #include "scratch.hpp"
+#include "tiny_trace.hpp"
 
 namespace fs = std::filesystem;
 using namespace kvscope;
@@ -27,18 +27,7 @@ namespace {
 
 // T = 1 + 24 + 65 = 90 context tokens (64 vision), 6 decode steps, 4 layers, 2 kv heads (G = 2), D = 32.
 const std::string& trace_path() {
-  static const std::string path = [] {
-    const std::string p = (kvscope::testing::scratch_dir() / "reuse.h5").string();
-    synth::SynthOptions o;
-    o.preset = "tiny";
-    o.image_tokens = 64;
-    o.text = 24;
-    o.decode = 6;
-    o.seed = 3;
-    synth::write_synthetic_trace(o, p);
-    return p;
-  }();
-  return path;
+  return kvscope::testing::tiny_trace("reuse", 64, 24, 6, 3);
 }
 
 // One kv head's prefill-mode cache keeping `keep` (ascending token ids), optionally merging token

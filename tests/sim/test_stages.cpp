@@ -9,8 +9,8 @@
 #include "kvscope/sim/engine.hpp"
 #include "kvscope/sim/policy.hpp"
 #include "kvscope/sim/stages.hpp"
-#include "kvscope/synth/synth.hpp"
 #include "scratch.hpp"
+#include "tiny_trace.hpp"
 
 namespace fs = std::filesystem;
 using namespace kvscope;
@@ -19,18 +19,7 @@ using namespace kvscope::sim;
 namespace {
 
 std::string tiny_trace() {
-  static const std::string path = [] {
-    const std::string p = (kvscope::testing::scratch_dir() / "stages.h5").string();
-    synth::SynthOptions o;
-    o.preset = "tiny";
-    o.image_tokens = 36;
-    o.text = 20;
-    o.decode = 4;
-    o.seed = 3;
-    synth::write_synthetic_trace(o, p);
-    return p;
-  }();
-  return path;
+  return kvscope::testing::tiny_trace("stages", 36, 20, 4, 3);
 }
 
 PolicySpec from_ini(const std::string& body) {

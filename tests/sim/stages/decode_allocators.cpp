@@ -7,8 +7,8 @@
 
 #include "kvscope/sim/engine.hpp"
 #include "kvscope/sim/policy.hpp"
-#include "kvscope/synth/synth.hpp"
 #include "scratch.hpp"
+#include "tiny_trace.hpp"
 
 using namespace kvscope;
 using namespace kvscope::sim;
@@ -16,18 +16,7 @@ using namespace kvscope::sim;
 namespace {
 
 std::string decode_trace() {
-  static const std::string path = [] {
-    const std::string p = (kvscope::testing::scratch_dir() / "decode_allocators.h5").string();
-    synth::SynthOptions o;
-    o.preset = "tiny";
-    o.image_tokens = 36;
-    o.text = 30;
-    o.decode = 5;
-    o.seed = 9;
-    synth::write_synthetic_trace(o, p);
-    return p;
-  }();
-  return path;
+  return kvscope::testing::tiny_trace("decode_allocators", 36, 30, 5, 9);
 }
 
 constexpr int kText = 0, kVision = 1;

@@ -9,8 +9,8 @@
 
 #include "kvscope/sim/engine.hpp"
 #include "kvscope/sim/policy.hpp"
-#include "kvscope/synth/synth.hpp"
 #include "scratch.hpp"
+#include "tiny_trace.hpp"
 
 using namespace kvscope;
 using namespace kvscope::sim;
@@ -18,18 +18,7 @@ using namespace kvscope::sim;
 namespace {
 
 std::string ea_trace() {
-  static const std::string path = [] {
-    const std::string p = (kvscope::testing::scratch_dir() / "expected_attention.h5").string();
-    synth::SynthOptions o;
-    o.preset = "tiny";
-    o.image_tokens = 16;
-    o.text = 30;
-    o.decode = 3;
-    o.seed = 21;
-    synth::write_synthetic_trace(o, p);
-    return p;
-  }();
-  return path;
+  return kvscope::testing::tiny_trace("expected_attention", 16, 30, 3, 21);
 }
 
 using Mat = std::vector<std::vector<double>>;

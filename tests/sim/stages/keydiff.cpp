@@ -8,8 +8,8 @@
 
 #include "kvscope/sim/engine.hpp"
 #include "kvscope/sim/policy.hpp"
-#include "kvscope/synth/synth.hpp"
 #include "scratch.hpp"
+#include "tiny_trace.hpp"
 
 using namespace kvscope;
 using namespace kvscope::sim;
@@ -17,18 +17,7 @@ using namespace kvscope::sim;
 namespace {
 
 std::string keydiff_trace() {
-  static const std::string path = [] {
-    const std::string p = (kvscope::testing::scratch_dir() / "keydiff.h5").string();
-    synth::SynthOptions o;
-    o.preset = "tiny";
-    o.image_tokens = 36;
-    o.text = 24;
-    o.decode = 6;
-    o.seed = 11;
-    synth::write_synthetic_trace(o, p);
-    return p;
-  }();
-  return path;
+  return kvscope::testing::tiny_trace("keydiff", 36, 24, 6, 11);
 }
 
 // kvpress KeyDiffPress.score: anchor = F.normalize(keys).mean(tokens); -F.cosine_similarity(keys, anchor).

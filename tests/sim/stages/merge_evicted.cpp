@@ -9,8 +9,8 @@
 #include "kvscope/sim/closed_loop.hpp"
 #include "kvscope/sim/engine.hpp"
 #include "kvscope/sim/policy.hpp"
-#include "kvscope/synth/synth.hpp"
 #include "scratch.hpp"
+#include "tiny_trace.hpp"
 
 using namespace kvscope;
 using namespace kvscope::sim;
@@ -18,18 +18,7 @@ using namespace kvscope::sim;
 namespace {
 
 std::string merge_trace() {
-  static const std::string path = [] {
-    const std::string p = (kvscope::testing::scratch_dir() / "merge_evicted.h5").string();
-    synth::SynthOptions o;
-    o.preset = "tiny";
-    o.image_tokens = 64;
-    o.text = 16;
-    o.decode = 4;
-    o.seed = 4;
-    synth::write_synthetic_trace(o, p);
-    return p;
-  }();
-  return path;
+  return kvscope::testing::tiny_trace("merge_evicted", 64, 16, 4, 4);
 }
 
 double cosine(const float* a, const float* b, int D) {

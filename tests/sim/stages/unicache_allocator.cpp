@@ -11,8 +11,8 @@
 #include "kvscope/sim/closed_loop.hpp"
 #include "kvscope/sim/engine.hpp"
 #include "kvscope/sim/policy.hpp"
-#include "kvscope/synth/synth.hpp"
 #include "scratch.hpp"
+#include "tiny_trace.hpp"
 #include "stages/stage.hpp"
 
 using namespace kvscope;
@@ -21,18 +21,7 @@ using namespace kvscope::sim;
 namespace {
 
 std::string allocator_trace() {
-  static const std::string path = [] {
-    const std::string p = (kvscope::testing::scratch_dir() / "unicache_allocator.h5").string();
-    synth::SynthOptions o;
-    o.preset = "tiny";
-    o.image_tokens = 64;
-    o.text = 40;
-    o.decode = 6;
-    o.seed = 5;
-    synth::write_synthetic_trace(o, p);
-    return p;
-  }();
-  return path;
+  return kvscope::testing::tiny_trace("unicache_allocator", 64, 40, 6, 5);
 }
 
 stages::TokenView resident_view(const TraceContext& ctx, const std::vector<std::int32_t>& ids,

@@ -10,8 +10,8 @@
 #include "kvscope/kernels/quantize.hpp"
 #include "kvscope/sim/engine.hpp"
 #include "kvscope/sim/policy.hpp"
-#include "kvscope/synth/synth.hpp"
 #include "scratch.hpp"
+#include "tiny_trace.hpp"
 
 using namespace kvscope;
 using namespace kvscope::sim;
@@ -19,18 +19,7 @@ using namespace kvscope::sim;
 namespace {
 
 std::string executor_trace() {
-  static const std::string path = [] {
-    const std::string p = (kvscope::testing::scratch_dir() / "unicache_executor.h5").string();
-    synth::SynthOptions o;
-    o.preset = "tiny";
-    o.image_tokens = 64;
-    o.text = 16;
-    o.decode = 4;
-    o.seed = 4;
-    synth::write_synthetic_trace(o, p);
-    return p;
-  }();
-  return path;
+  return kvscope::testing::tiny_trace("unicache_executor", 64, 16, 4, 4);
 }
 
 double cosine(const float* a, const float* b, int D) {

@@ -8,8 +8,8 @@
 
 #include "kvscope/sim/engine.hpp"
 #include "kvscope/sim/policy.hpp"
-#include "kvscope/synth/synth.hpp"
 #include "scratch.hpp"
+#include "tiny_trace.hpp"
 #include "stages/stage.hpp"
 
 using namespace kvscope;
@@ -18,18 +18,7 @@ using namespace kvscope::sim;
 namespace {
 
 std::string scorer_trace() {
-  static const std::string path = [] {
-    const std::string p = (kvscope::testing::scratch_dir() / "unicache_scorer.h5").string();
-    synth::SynthOptions o;
-    o.preset = "tiny";
-    o.image_tokens = 36;
-    o.text = 24;
-    o.decode = 3;
-    o.seed = 11;
-    synth::write_synthetic_trace(o, p);
-    return p;
-  }();
-  return path;
+  return kvscope::testing::tiny_trace("unicache_scorer", 36, 24, 3, 11);
 }
 
 // The resident cache of kv head h holding `ids` (ascending), keys as captured.
