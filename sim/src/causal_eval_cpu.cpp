@@ -68,6 +68,17 @@ void survived_mass(const EvalScratch& s, const std::uint8_t* modality, const flo
   }
 }
 
+// Adds a row's compressed attention e [n] into its per-modality mass cm [4], one run of same-modality
+// slots (s.slot_runs) at a time, in slot order (both evaluation paths, so their sums agree).
+void add_slot_mass(const EvalScratch& s, const std::uint8_t* slot_modality, const float* er, int n, double* cm) {
+  for (std::size_t u = 0; u + 1 < s.slot_runs.size() && s.slot_runs[u] < n; ++u) {
+    const int a = s.slot_runs[u], b = std::min(s.slot_runs[u + 1], n);
+    double acc = cm[slot_modality[a]];
+    for (int k = a; k < b; ++k) acc += er[k];
+    cm[slot_modality[a]] = acc;
+  }
+}
+
 }  // namespace
 
 bool evaluate_prefill_rows_reuse(const PrefillProblem& p, EvalScratch& s, RowMetrics& out) {
@@ -101,13 +112,7 @@ bool evaluate_prefill_rows_reuse(const PrefillProblem& p, EvalScratch& s, RowMet
     std::fill(er + n, er + N, 0.0f);  // the causal mask: future decode tokens
     s.csum[static_cast<std::size_t>(r)] = zs;
     s.cent[static_cast<std::size_t>(r)] = es;
-    double* cm = &s.cmass[static_cast<std::size_t>(r) * kM];
-    for (std::size_t u = 0; u + 1 < s.slot_runs.size() && s.slot_runs[u] < n; ++u) {
-      const int a = s.slot_runs[u], b = std::min(s.slot_runs[u + 1], n);
-      double acc = cm[p.cache.slot_modality[a]];
-      for (int k = a; k < b; ++k) acc += er[k];
-      cm[p.cache.slot_modality[a]] = acc;
-    }
+    add_slot_mass(s, p.cache.slot_modality, er, n, &s.cmass[static_cast<std::size_t>(r) * kM]);
   }
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, R, D, N, 1.0f, s.e.data(), N, p.cache.v, D, 0.0f,
               s.o.data(), D);
@@ -201,13 +206,7 @@ void evaluate_prefill_rows_cpu(const PrefillProblem& p, EvalScratch& s, RowMetri
     std::fill(er + n, er + N, 0.0f);  // the causal mask: future decode tokens
     csum[static_cast<std::size_t>(r)] = zs;
     cent[static_cast<std::size_t>(r)] = es;
-    double* cm = &s.cmass[static_cast<std::size_t>(r) * kM];
-    for (std::size_t u = 0; u + 1 < s.slot_runs.size() && s.slot_runs[u] < n; ++u) {
-      const int a = s.slot_runs[u], b = std::min(s.slot_runs[u + 1], n);
-      double acc = cm[p.cache.slot_modality[a]];
-      for (int k = a; k < b; ++k) acc += er[k];
-      cm[p.cache.slot_modality[a]] = acc;
-    }
+    add_slot_mass(s, p.cache.slot_modality, er, n, &s.cmass[static_cast<std::size_t>(r) * kM]);
   }
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, R, D, N, 1.0f, s.e.data(), N, p.cache.v, D, 0.0f,
               s.o.data(), D);

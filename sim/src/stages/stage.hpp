@@ -164,6 +164,12 @@ class Executor : public Stage {
                        const std::int32_t* kept, int K, const float* importance, SlotOutput out) const = 0;
 };
 
+// The merge kernel on one working head: every dropped token within `window` positions of a kept one
+// whose key cosine exceeds `threshold` folds into the most similar kept slot (executors/merge_evicted.cpp;
+// the merging executors merge-evicted and unicache differ only in their threshold parameter).
+void merge_into_kept(const LayerView& v, int n, const float* keys, const float* values, const std::int32_t* kept,
+                     int K, const float* importance, int window, float threshold, SlotOutput out);
+
 // ---- quantizer
 class Quantizer : public Stage {
  public:

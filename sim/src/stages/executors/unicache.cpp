@@ -6,10 +6,6 @@
 
 namespace kvscope::sim::stages {
 
-void merge_into_kept(const LayerView& v, int n, const float* keys, const float* values,
-                     const std::int32_t* kept, int K, const float* importance, int window, float threshold,
-                     SlotOutput out);
-
 namespace {
 
 class UniCacheExecutor final : public Executor {
