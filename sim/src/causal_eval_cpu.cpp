@@ -70,7 +70,8 @@ void survived_mass(const EvalScratch& s, const std::uint8_t* modality, const flo
 
 // Adds a row's compressed attention e [n] into its per-modality mass cm [4], one run of same-modality
 // slots (s.slot_runs) at a time, in slot order (both evaluation paths, so their sums agree).
-void add_slot_mass(const EvalScratch& s, const std::uint8_t* slot_modality, const float* er, int n, double* cm) {
+void add_slot_mass(const EvalScratch& s, const std::uint8_t* slot_modality, const float* er, int n,
+                   double* cm) {
   for (std::size_t u = 0; u + 1 < s.slot_runs.size() && s.slot_runs[u] < n; ++u) {
     const int a = s.slot_runs[u], b = std::min(s.slot_runs[u + 1], n);
     double acc = cm[slot_modality[a]];
