@@ -13,11 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "kvscope/kernels/blas_runtime.hpp"
 #include "kvscope/kernels/device.hpp"
-
-#if defined(KVBENCH_HAVE_OPENBLAS)
-#include <cblas.h>
-#endif
 
 namespace kvscope::bench {
 namespace {
@@ -68,25 +65,10 @@ double measure_cpu_triad(int threads, std::size_t bytes_per_array, int reps) {
 
 double measure_cpu_sgemm(int threads, int n, int reps, std::string* note) {
 #if defined(KVBENCH_HAVE_OPENBLAS)
-  if (n <= 0 || threads <= 0 || reps <= 0) return 0;
-  openblas_set_num_threads(threads);
-  const std::size_t nn = static_cast<std::size_t>(n) * n;
-  std::vector<float> a(nn), b(nn), c(nn, 0.0f);
-  for (std::size_t i = 0; i < nn; ++i) {
-    a[i] = static_cast<float>((i * 7) % 13) * 0.1f - 0.6f;
-    b[i] = static_cast<float>((i * 5) % 11) * 0.1f - 0.5f;
-  }
-  double best = 0;
-  for (int rep = 0; rep <= reps; ++rep) {
-    const auto t0 = std::chrono::steady_clock::now();
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f,
-                c.data(), n);
-    const double dt = seconds_since(t0);
-    if (rep > 0 && dt > 0) best = std::max(best, 2.0 * n * static_cast<double>(n) * n / dt);
-  }
+  const double best = kernels::measure_sgemm_flops_per_s(threads, n, reps);
   // DYNAMIC_ARCH builds pick the kernel from CPUID; a VM that hides the model gets a
   // generic core (e.g. "Prescott"), which OPENBLAS_CORETYPE=SkylakeX (etc.) overrides.
-  if (note) *note = std::string("OpenBLAS core ") + openblas_get_corename();
+  if (note) *note = std::string("OpenBLAS core ") + kernels::blas_core_name();
   return best;
 #else
   (void)threads;

@@ -9,6 +9,13 @@ the argmax back (EOS not special). The prompt is real prose: the license texts o
 tokens. Both run with OMP_WAIT_POLICY=PASSIVE unless it is set (kvscope's tools default to it; with spinning
 waits on a loaded machine every parallel region of a decode step waits for a descheduled thread);
 --hf-default-omp-wait leaves it unset for torch.
+In-run ceiling: before each pair of runs, the machine's sgemm rate at the same thread count, measured twice
+in the same run: through the OpenBLAS the runner links (`kvrunner-bench --sgemm-ceiling`, 2048^3) and
+through torch (`torch.mm`, 2048^3, the BLAS HF's linear layers use); the ceiling of a repetition is the
+larger. Each prefill's rate is its FLOP (`prefill_flop` of kvrunner-bench: projections of every token,
+causal attention over the lower triangle, the last token's logits) over its time, shown as a fraction of
+that repetition's ceiling. A prefill that ran at the ceiling would be 1/f times faster than one at fraction
+f of it ("most possible over HF"): 2x HF's prefill needs HF below 50 % of the ceiling.
 Medians over the repetitions go to stdout as a Markdown table; progress goes to stderr.
 """
 
@@ -55,6 +62,28 @@ def hf_run(model, torch, ids, decode):
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         decode_s = time.perf_counter() - t1
     return {"prefill_s": prefill_s, "decode_s": decode_s, "next_token": first}
+
+
+def torch_sgemm_ceiling(torch, n=2048, reps=3):
+    a = torch.rand(n, n, dtype=torch.float32) - 0.5
+    b = torch.rand(n, n, dtype=torch.float32) - 0.5
+    best = 0.0
+    with torch.inference_mode():
+        for rep in range(reps + 1):  # rep 0 is the untimed warm-up
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            dt = time.perf_counter() - t0
+            if rep > 0:
+                best = max(best, 2.0 * n ** 3 / dt)
+    return best
+
+
+def openblas_sgemm_ceiling(runner, threads):
+    cmd = [runner, "--sgemm-ceiling", "--threads", str(threads)]
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if p.returncode != 0:
+        sys.exit(f"bench-real-model: {' '.join(cmd)} failed ({p.returncode}): {p.stderr.strip()}")
+    return json.loads(p.stdout.strip().splitlines()[-1])["sgemm_flops_per_s"]
 
 
 def ours_run(runner, model_dir, ids_file, n, decode, threads):
@@ -114,21 +143,26 @@ def main():
             f.write(" ".join(map(str, ids)) + "\n")
         for n in lengths:
             for r in range(a.repeat):
-                log(f"T = {n}, run {r + 1}/{a.repeat}: ours")
+                log(f"T = {n}, run {r + 1}/{a.repeat}: sgemm ceilings")
+                ceil = {"openblas": openblas_sgemm_ceiling(runner, a.threads), "torch": torch_sgemm_ceiling(torch)}
+                log(f"  sgemm 2048^3: OpenBLAS {ceil['openblas'] / 1e9:.1f} GFLOP/s, torch {ceil['torch'] / 1e9:.1f}"
+                    f" GFLOP/s; ours")
                 o = ours_run(runner, model_dir, ids_file, n, a.decode, a.threads)
                 log(f"  ours: prefill {n / o['prefill_s']:.1f} tok/s, decode {o['decode_tok_s']:.2f} tok/s;"
                     f" HF")
                 h = hf_run(model, torch, ids[:n], a.decode)
                 log(f"  HF:   prefill {n / h['prefill_s']:.1f} tok/s, decode {a.decode / h['decode_s']:.2f} tok/s")
-                runs.append({"tokens": n, "run": r, "ours": o, "hf": h})
+                runs.append({"tokens": n, "run": r, "ours": o, "hf": h, "sgemm_flops_per_s": ceil,
+                             "load_1min": os.getloadavg()[0]})
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"threads": a.threads, "decode": a.decode, "runs": runs}, f, indent=1)
 
     core = runs[0]["ours"].get("blas_core", "?")
+    loads = [r["load_1min"] for r in runs]
     print(f"threads {a.threads}, decode steps {a.decode}, {a.repeat} runs each (medians), "
           f"torch {torch.__version__}, OpenBLAS core {core}, OMP_WAIT_POLICY for HF: {os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
-          f"load average {os.getloadavg()[0]:.1f} at the end\n")
+          f"1-minute load average {min(loads):.1f}-{max(loads):.1f} after each pair\n")
     print("| prompt | ours prefill tok/s | HF prefill tok/s | ratio | ours decode tok/s | HF decode tok/s | ratio "
           "| same next token |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
@@ -143,6 +177,23 @@ def main():
         pr = statistics.median(r["hf"]["prefill_s"] / r["ours"]["prefill_s"] for r in rs)
         dr = statistics.median(r["hf"]["decode_s"] / r["ours"]["decode_s"] for r in rs) if a.decode else 0
         print(f"| {n} | {op:.1f} | {hp:.1f} | {pr:.2f}x | {od:.2f} | {hd:.2f} | {dr:.2f}x | {'yes' if same else 'NO'} |")
+    print("\nprefill against the in-run sgemm ceiling (2048^3 at the same threads, the larger of OpenBLAS and torch;"
+          " medians; FLOP per prefill from kvrunner-bench):\n")
+    print("| prompt | GFLOP | OpenBLAS sgemm GFLOP/s | torch sgemm GFLOP/s | ours GFLOP/s | HF GFLOP/s "
+          "| ours / ceiling | HF / ceiling | most possible over HF |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for n in lengths:
+        rs = [r for r in runs if r["tokens"] == n]
+        flop = rs[0]["ours"]["prefill_flop"]
+        cb = statistics.median(r["sgemm_flops_per_s"]["openblas"] for r in rs)
+        ct = statistics.median(r["sgemm_flops_per_s"]["torch"] for r in rs)
+        ceil = [max(r["sgemm_flops_per_s"].values()) for r in rs]
+        fo = statistics.median(flop / r["ours"]["prefill_s"] / c for r, c in zip(rs, ceil))
+        fh = statistics.median(flop / r["hf"]["prefill_s"] / c for r, c in zip(rs, ceil))
+        go = statistics.median(flop / r["ours"]["prefill_s"] for r in rs)
+        gh = statistics.median(flop / r["hf"]["prefill_s"] for r in rs)
+        print(f"| {n} | {flop / 1e9:.1f} | {cb / 1e9:.1f} | {ct / 1e9:.1f} | {go / 1e9:.1f} | {gh / 1e9:.1f} "
+              f"| {100 * fo:.0f} % | {100 * fh:.0f} % | {1 / fh:.2f}x |")
     print("\nour prefill phases (median seconds over the runs; qkv = norm + q/k/v + RoPE, attention = KV append"
           " + attention + o_proj, mlp = norm + gate/up/down, lm_head = final norm + last-token logits):\n")
     names = ["qkv", "attention", "mlp", "lm_head"]

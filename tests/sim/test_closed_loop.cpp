@@ -18,6 +18,7 @@
 #include "kvscope/closedloop/evaluate.hpp"
 #include "kvscope/closedloop/hook.hpp"
 #include "kvscope/closedloop/report.hpp"
+#include "kvscope/runner/tokenizer.hpp"
 #include "kvscope/sim/sweep.hpp"
 #include "kvscope/trace/reader.hpp"
 
@@ -128,6 +129,30 @@ TEST_F(ClosedLoop, CompressionChangesTheCacheAndTheLogits) {
         kept += hr.kept[static_cast<std::size_t>(m)], all += hr.tokens[static_cast<std::size_t>(m)];
       EXPECT_LT(kept, all / 2) << "layer " << lr.layer;
     }
+}
+
+TEST_F(ClosedLoop, StopsOnEveryEosIdLikeGenerate) {
+  // A config with a second EOS id (HF's eos_token_id lists, e.g. Llama 3's): the closed loop must stop on
+  // it exactly where Model::generate does, not only on eos_token_id.
+  const auto& s = (*samples_)[0];
+  const runner::Prompt prompt = model_->build_prompt(scene_images(s), s.question);
+  const closedloop::RunResult plain = closedloop::run_sample(*model_, prompt, nullptr, 8);
+  // The first generated id becomes the second EOS id: without it the sample generates more tokens.
+  ASSERT_GE(plain.tokens.size(), 2u);
+  const int stop = plain.tokens[0];
+  ASSERT_NE(stop, model_->config().eos_token_id);
+  runner::ModelConfig config = model_->config();
+  config.eos_token_ids = {config.eos_token_id, stop};
+  runner::Model two_eos(config, model_->weights(),
+                        std::make_shared<const runner::Vocabulary>(
+                            runner::Vocabulary::load((random_model() / "vocab.json").string())),
+                        runner::Device::kCpu);
+  const closedloop::RunResult run = closedloop::run_sample(two_eos, prompt, nullptr, 8);
+  runner::GenerateOptions o;
+  o.max_new = 8;
+  const runner::Generation ref = two_eos.generate(prompt, o);
+  EXPECT_EQ(run.tokens, std::vector<std::int32_t>{stop});
+  EXPECT_EQ(run.tokens, ref.tokens);
 }
 
 TEST_F(ClosedLoop, HeldBytesEqualPredictedBytes) {

@@ -4,6 +4,7 @@
 //
 //   kvrunner-bench --model DIR --ids FILE [--decode N] [--repeat R] [--threads N]
 //   kvrunner-bench --synthetic smollm2-135m --tokens 1024 [--decode N] ...
+//   kvrunner-bench --sgemm-ceiling [--threads N]
 
 #include <algorithm>
 #include <chrono>
@@ -34,8 +35,12 @@ double seconds_since(Clock::time_point t0) {
 
 constexpr const char* kUsage =
     "usage: kvrunner-bench (--model DIR --ids FILE | --synthetic smollm2-135m --tokens N) [options]\n"
+    "       kvrunner-bench --sgemm-ceiling [--threads N]\n"
     "Times the runner's CPU decoder: one prefill over the prompt, then greedy decode steps (EOS ignored),\n"
     "and prints one JSON object per repetition on stdout.\n"
+    "  --sgemm-ceiling      instead: the machine's sgemm rate through the OpenBLAS the runner links\n"
+    "                       (2048^3, --threads BLAS threads, best of 3 after a warm-up), one JSON object\n"
+    "                       {sgemm_n, sgemm_flops_per_s, threads, blas_core}\n"
     "  --model DIR          a model directory Model::load reads (config.json, model.safetensors, tokenizer)\n"
     "  --ids FILE           the prompt's token ids, whitespace-separated\n"
     "  --synthetic NAME     random weights of a known geometry instead of a model (smollm2-135m)\n"
@@ -46,8 +51,10 @@ constexpr const char* kUsage =
     "  --warmup             an untimed 64-token prefill and 2 decode steps first\n"
     "  --no-phases          no per-phase timing (no observer)\n"
     "  --help               this text\n"
-    "JSON fields: tokens, prefill_s, prefill_tok_s, decode_steps, decode_s, decode_tok_s, threads, "
-    "blas_core,\n"
+    "JSON fields: tokens, prefill_s, prefill_tok_s, prefill_flop (multiply-add = 2: the projections of "
+    "every\n"
+    "token, causal attention over the lower triangle, the last token's logits), decode_steps, decode_s,\n"
+    "decode_tok_s, threads, blas_core,\n"
     "next_token (the greedy token after the prefill),\n"
     "phases_s (prefill only: qkv = norm + q/k/v projections + RoPE; attention = KV append + attention +\n"
     "o_proj; mlp = norm + gate/up/down; lm_head = final norm + logits of the last token).\n";
@@ -160,6 +167,15 @@ class PhaseTimer final : public runner::RunObserver {
   std::map<std::string, double> phases_;
 };
 
+// FLOP of a prefill of t tokens (multiply-add = 2): q/k/v/o and MLP projections of every token, QK^T and
+// PV of causal attention (query i sees i + 1 slots), the last token's logits.
+double prefill_flop(const runner::ModelConfig& c, int t) {
+  const double d = c.hidden_size, dh = c.head_dim, hq = c.num_q_heads, hkv = c.num_kv_heads;
+  const double per_token = 2.0 * d * (2 * hq * dh + 2 * hkv * dh + 3.0 * c.intermediate_size);
+  const double pairs = 0.5 * t * (t + 1.0);
+  return c.num_layers * (per_token * t + 2.0 * 2.0 * dh * hq * pairs) + 2.0 * d * c.vocab_size;
+}
+
 int argmax(const std::vector<float>& v) {
   return static_cast<int>(std::max_element(v.begin(), v.end()) - v.begin());
 }
@@ -170,7 +186,7 @@ int main(int argc, char** argv) {
   kernels::use_fast_blas_runtime(argv);
   std::string model_dir, ids_file, synthetic;
   int tokens = -1, decode = 32, repeat = 1, threads = 0;
-  bool phases = true, warmup = false;
+  bool phases = true, warmup = false, ceiling = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&](const char* what) -> std::string {
@@ -199,6 +215,8 @@ int main(int argc, char** argv) {
         warmup = true;
       } else if (a == "--no-phases") {
         phases = false;
+      } else if (a == "--sgemm-ceiling") {
+        ceiling = true;
       } else {
         return bad("unknown argument " + a + " (see --help)");
       }
@@ -206,13 +224,21 @@ int main(int argc, char** argv) {
       return bad(a + ": " + e.what());
     }
   }
+  if (decode < 0 || repeat < 1 || threads < 0)
+    return bad("--decode, --repeat and --threads must be >= 0 / 1");
+  kernels::set_cpu_threads(threads);
+  if (ceiling) {
+    if (!model_dir.empty() || !synthetic.empty()) return bad("--sgemm-ceiling takes no model");
+    constexpr int kN = 2048;
+    const double flops = kernels::measure_sgemm_flops_per_s(kernels::cpu_threads(), kN, 3);
+    std::printf("{\"sgemm_n\": %d, \"sgemm_flops_per_s\": %.6g, \"threads\": %d, \"blas_core\": \"%s\"}\n",
+                kN, flops, kernels::cpu_threads(), kernels::blas_core_name());
+    return 0;
+  }
   if (model_dir.empty() == synthetic.empty()) return bad("give exactly one of --model and --synthetic");
   if (!model_dir.empty() && ids_file.empty()) return bad("--model needs --ids");
   if (!synthetic.empty() && synthetic != "smollm2-135m") return bad("unknown --synthetic " + synthetic);
   if (!synthetic.empty() && tokens <= 0) return bad("--synthetic needs --tokens N > 0");
-  if (decode < 0 || repeat < 1 || threads < 0)
-    return bad("--decode, --repeat and --threads must be >= 0 / 1");
-  kernels::set_cpu_threads(threads);
   try {
     std::vector<std::int32_t> ids;
     std::unique_ptr<runner::Model> model;
@@ -305,9 +331,9 @@ int main(int argc, char** argv) {
       std::printf(
           "{\"tokens\": %d, \"prefill_s\": %.6f, \"prefill_tok_s\": %.3f, \"decode_steps\": %d, "
           "\"decode_s\": %.6f, \"decode_tok_s\": %.3f, \"threads\": %d, \"blas_core\": \"%s\", "
-          "\"next_token\": %d",
+          "\"next_token\": %d, \"prefill_flop\": %.6g",
           t, prefill_s, t / prefill_s, decode, decode_s, decode > 0 ? decode / decode_s : 0.0,
-          kernels::cpu_threads(), kernels::blas_core_name(), first);
+          kernels::cpu_threads(), kernels::blas_core_name(), first, prefill_flop(c, t));
       if (phases) {
         auto& p = timer.phases();
         double layers = 0;

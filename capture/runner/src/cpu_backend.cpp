@@ -1,8 +1,9 @@
-// CPU decoder backend: OpenBLAS sgemm on one thread per call, parallelised with OpenMP over tiles of FIXED
-// size (row blocks of tokens x column blocks of output features for the projections, heads x query blocks
-// for attention). Tile boundaries depend only on the shapes, never on the thread count, and each tile is
-// computed by one thread with one single-threaded sgemm, so results are bit for bit the same for any
-// number of OpenMP threads (docs/determinism.md).
+// CPU decoder backend: OpenBLAS sgemm on one thread per call for the projections (and the attention of
+// decode steps), the prefill's attention on micro-kernels of our own, parallelised with OpenMP over tiles
+// of FIXED size (row blocks of tokens x column blocks of output features for the projections, heads x
+// query blocks for attention). Tile boundaries depend only on the shapes, never on the thread count, and
+// each tile is computed by one thread, so results are bit for bit the same for any number of OpenMP
+// threads (docs/determinism.md).
 #include <cblas.h>
 #include <omp.h>
 
@@ -12,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "kvscope/kernels/blas_runtime.hpp"
 #include "kvscope/kernels/fast_math.hpp"
@@ -34,6 +36,22 @@ constexpr int kKeyBlock = 256;                // slots per step of a tile's onli
 constexpr long kMinParallelFlops = 1L << 21;  // below this a fork/join costs more than it saves
 
 using kernels::exp_fast;
+
+// 8 floats at a time, for the row loops and the micro-kernels of the prefill's attention below (no BLAS:
+// their summation order is fixed by this code, so the result is the same whatever the BLAS kernel). Blocks
+// of kMr rows x kNr columns stay in registers (6 x 16 floats: 12 AVX2 registers, the rest for the
+// operands); GCC/Clang contract `acc += a * b` into FMAs where the target has them.
+using V8 = kernels::Float8;
+constexpr int kMr = 6;   // rows of a register block
+constexpr int kNr = 16;  // columns of a register block (two V8)
+
+inline V8 load8(const float* p) {
+  V8 v;
+  std::memcpy(&v, p, sizeof(V8));
+  return v;
+}
+inline void store8(float* p, V8 v) { std::memcpy(p, &v, sizeof(V8)); }
+inline V8 splat8(float x) { return V8{x, x, x, x, x, x, x, x}; }
 
 constexpr int kLanes = 16;  // partial maxima / sums of the vectorised row loops
 
@@ -64,20 +82,130 @@ float add_bias_max(float* __restrict row, const float* __restrict bias, int len)
 
 // row[s] = exp(row[s] - mx) for s < len, in place; returns their sum (kLanes partial sums, fixed order).
 float exp_sum(float* __restrict row, float mx, int len) {
-  float acc[kLanes];
-  std::fill(acc, acc + kLanes, 0.0f);
+  static_assert(kLanes == 16, "two V8 of partial sums");
+  V8 acc0 = {}, acc1 = {};
   const int full = len / kLanes * kLanes;
   for (int s = 0; s < full; s += kLanes) {
-    for (int l = 0; l < kLanes; ++l) {
-      const float e = exp_fast(row[s + l] - mx);
-      row[s + l] = e;
-      acc[l] += e;
-    }
+    const V8 e0 = kernels::exp_fast(load8(row + s) - mx), e1 = kernels::exp_fast(load8(row + s + 8) - mx);
+    store8(row + s, e0);
+    store8(row + s + 8, e1);
+    acc0 += e0;
+    acc1 += e1;
   }
   float sum = 0;
   for (int s = full; s < len; ++s) sum += (row[s] = exp_fast(row[s] - mx));
-  for (int l = 0; l < kLanes; ++l) sum += acc[l];
+  for (int l = 0; l < 8; ++l) sum += acc0[l];
+  for (int l = 0; l < 8; ++l) sum += acc1[l];
   return sum;
+}
+
+// Keys [n, dh] (row stride dh) as panels of kNr keys: panel p holds kt[(p * dh + e) * kNr + c] = key
+// p * kNr + c, element e; keys past n are 0.
+void pack_keys(const float* keys, int n, int dh, float* kt) {
+  const int panels = (n + kNr - 1) / kNr;
+  for (int p = 0; p < panels; ++p) {
+    float* dst = kt + static_cast<std::size_t>(p) * dh * kNr;
+    const int cols = std::min(kNr, n - p * kNr);
+    for (int c = 0; c < kNr; ++c) {
+      if (c >= cols) {
+        for (int e = 0; e < dh; ++e) dst[e * kNr + c] = 0.0f;
+        continue;
+      }
+      const float* src = keys + static_cast<std::size_t>(p * kNr + c) * dh;
+      for (int e = 0; e < dh; ++e) dst[e * kNr + c] = src[e];
+    }
+  }
+}
+
+// s [MR, panels * kNr] (row stride lds) = q [MR, dh] (row stride dh) x the key panels [panels] of kt.
+template <int MR>
+void scores_block(const float* __restrict q, int dh, const float* __restrict kt, int panels,
+                  float* __restrict s, int lds) {
+  for (int p = 0; p < panels; ++p) {
+    const float* b = kt + static_cast<std::size_t>(p) * dh * kNr;
+    V8 acc[MR][2] = {};
+    for (int e = 0; e < dh; ++e) {
+      const V8 b0 = load8(b + e * kNr), b1 = load8(b + e * kNr + 8);
+      for (int r = 0; r < MR; ++r) {
+        const V8 a = splat8(q[r * dh + e]);
+        acc[r][0] += a * b0;
+        acc[r][1] += a * b1;
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      store8(s + static_cast<std::size_t>(r) * lds + p * kNr, acc[r][0]);
+      store8(s + static_cast<std::size_t>(r) * lds + p * kNr + 8, acc[r][1]);
+    }
+  }
+}
+
+// o [MR, dh] (row stride dh) += p [MR, kc] (row stride ldp) x v [kc, dh] (row stride dh); dh % kNr == 0.
+template <int MR>
+void pv_block(const float* __restrict p, int ldp, const float* __restrict v, int kc, int dh,
+              float* __restrict o) {
+  for (int c0 = 0; c0 < dh; c0 += kNr) {
+    V8 acc[MR][2];
+    for (int r = 0; r < MR; ++r) {
+      acc[r][0] = load8(o + r * dh + c0);
+      acc[r][1] = load8(o + r * dh + c0 + 8);
+    }
+    for (int j = 0; j < kc; ++j) {
+      const V8 b0 = load8(v + static_cast<std::size_t>(j) * dh + c0),
+               b1 = load8(v + static_cast<std::size_t>(j) * dh + c0 + 8);
+      for (int r = 0; r < MR; ++r) {
+        const V8 a = splat8(p[static_cast<std::size_t>(r) * ldp + j]);
+        acc[r][0] += a * b0;
+        acc[r][1] += a * b1;
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      store8(o + r * dh + c0, acc[r][0]);
+      store8(o + r * dh + c0 + 8, acc[r][1]);
+    }
+  }
+}
+
+// Calls f(std::integral_constant<int, MR>{}, r) for the register blocks of `rows` rows: blocks of kMr rows
+// starting at r = 0, kMr, ..., then one narrower block for the rest.
+template <class F>
+void for_row_blocks(int rows, F&& f) {
+  static_assert(kMr == 6, "the remainder cases below");
+  int r = 0;
+  for (; r + kMr <= rows; r += kMr) f(std::integral_constant<int, kMr>{}, r);
+  switch (rows - r) {
+    case 5:
+      f(std::integral_constant<int, 5>{}, r);
+      break;
+    case 4:
+      f(std::integral_constant<int, 4>{}, r);
+      break;
+    case 3:
+      f(std::integral_constant<int, 3>{}, r);
+      break;
+    case 2:
+      f(std::integral_constant<int, 2>{}, r);
+      break;
+    case 1:
+      f(std::integral_constant<int, 1>{}, r);
+      break;
+    default:
+      break;
+  }
+}
+
+// The two products over `rows` rows, in register blocks.
+void scores_rows(const float* q, int rows, int dh, const float* kt, int panels, float* s, int lds) {
+  for_row_blocks(rows, [&](auto mr, int r) {
+    scores_block<decltype(mr)::value>(q + static_cast<std::size_t>(r) * dh, dh, kt, panels,
+                                      s + static_cast<std::size_t>(r) * lds, lds);
+  });
+}
+
+void pv_rows(const float* p, int ldp, int rows, const float* v, int kc, int dh, float* o) {
+  for_row_blocks(rows, [&](auto mr, int r) {
+    pv_block<decltype(mr)::value>(p + static_cast<std::size_t>(r) * ldp, ldp, v, kc, dh,
+                                  o + static_cast<std::size_t>(r) * dh);
+  });
 }
 
 // One product y [T, n] (+)= x [T, k] W^T with W [n, k] row-major, cut into tiles.
@@ -121,12 +249,29 @@ void rms_norm_rows(const float* x, const float* w, int t, int d, double eps, flo
 #pragma omp for schedule(static)
   for (int i = 0; i < t; ++i) {
     const float* xi = x + static_cast<std::size_t>(i) * d;
+    V8 ss8 = {};  // 8 partial sums of squares, combined in a fixed order
+    const int full = d / 8 * 8;
+    for (int j = 0; j < full; j += 8) {
+      const V8 v = load8(xi + j);
+      ss8 += v * v;
+    }
     float ss = 0;
-    for (int j = 0; j < d; ++j) ss += xi[j] * xi[j];
+    for (int j = full; j < d; ++j) ss += xi[j] * xi[j];
+    for (int l = 0; l < 8; ++l) ss += ss8[l];
     const float r = 1.0f / std::sqrt(ss / static_cast<float>(d) + static_cast<float>(eps));
     float* yi = y + static_cast<std::size_t>(i) * d;
     for (int j = 0; j < d; ++j) yi[j] = w[j] * (xi[j] * r);
   }
+}
+
+// g[j] = silu(g[j]) * u[j] = g[j] / (1 + exp(-g[j])) * u[j] for j < n, in place.
+void silu_mul(float* __restrict g, const float* __restrict u, int n) {
+  const int full = n / 8 * 8;
+  for (int j = 0; j < full; j += 8) {
+    const V8 x = load8(g + j);
+    store8(g + j, x / (1.0f + exp_fast(-x)) * load8(u + j));
+  }
+  for (int j = full; j < n; ++j) g[j] = g[j] / (1.0f + exp_fast(-g[j])) * u[j];
 }
 
 // Rotates every head of x [T, heads*Dh] in place ("rotate_half" convention), rows split over the team.
@@ -221,11 +366,9 @@ class CpuBackend final : public DecoderBackend {
           }
         }
         for (int g = 0; g < hkv; ++g) {
-          HeadCache& hc = cache.head(l, g);
-          for (int i = 0; i < t; ++i) {
-            const std::size_t off = (static_cast<std::size_t>(i) * hkv + g) * dh;
-            hc.append(k + off, v + off, 0.0f, SlotInfo{req.tokens[i], 1});
-          }
+          const std::size_t off = static_cast<std::size_t>(g) * dh,
+                            stride = static_cast<std::size_t>(hkv) * dh;
+          cache.head(l, g).append_rows(k + off, v + off, stride, req.tokens, t);
         }
         attend(cache, l, q, t, attn);
         const Linear o[] = {{attn, lw.wo.data(), d, hq * dh, h, 1.0f}};  // h += attn Wo^T
@@ -245,7 +388,7 @@ class CpuBackend final : public DecoderBackend {
           for (int i = 0; i < t; ++i) {
             float* gi = gate + static_cast<std::size_t>(i) * inter;
             const float* ui = up + static_cast<std::size_t>(i) * inter;
-            for (int j = 0; j < inter; ++j) gi[j] = gi[j] / (1.0f + exp_fast(-gi[j])) * ui[j];
+            silu_mul(gi, ui, inter);
           }
           linear_tiles(down, t);
         }
@@ -266,50 +409,72 @@ class CpuBackend final : public DecoderBackend {
  private:
   // attn [T, Hq*Dh]: query i of the new tokens attends to slots 0 .. size-T+i of its KV head, with bias.
   // Tiles: (query head, block of kQueryBlock queries); a tile reads only the slots its last query sees.
+  // A prefill (t >= kQueryBlock) computes QK^T and PV with the micro-kernels above, over each head's keys
+  // packed once per layer; fewer queries (decode steps) use sgemm, which reads the cache as it is.
   void attend(const KvCache& cache, int layer, const float* q, int t, float* out) {
     const int dh = c_.head_dim, hq = c_.num_q_heads, hkv = c_.num_kv_heads, group = hq / hkv;
     const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
-    const int n = cache.head(layer, 0).size();
+    int n_max = 0;
+    for (int g = 0; g < hkv; ++g) n_max = std::max(n_max, cache.head(layer, g).size());
     const int qb = blocks(t, kQueryBlock), tiles = hkv * qb;
-    const long work = static_cast<long>(t) * n * dh * hq;
+    const long work = static_cast<long>(t) * n_max * dh * hq;
     const int threads = work >= (1L << 20) ? omp_get_max_threads() : 1;
+    const bool packed = t >= kQueryBlock && dh % kNr == 0;
+    const std::size_t head_panels = packed ? static_cast<std::size_t>(blocks(n_max, kNr)) * kNr * dh : 0;
+    if (packed) grow(kt_, head_panels * hkv);
     scratch_.resize(static_cast<std::size_t>(threads));
 #pragma omp parallel num_threads(threads)
     {
+      if (packed) {
+#pragma omp for schedule(static)
+        for (int g = 0; g < hkv; ++g) {
+          const HeadCache& hc = cache.head(layer, g);
+          pack_keys(hc.keys(), hc.size(), dh, kt_.data() + head_panels * g);
+        }
+      }
       std::vector<float>& p = scratch_[static_cast<std::size_t>(omp_get_thread_num())];
 #pragma omp for schedule(dynamic, 1)
       for (int tile = 0; tile < tiles; ++tile) {
         // A tile: the `group` query heads of KV head g (they read the same slots) x one query block,
         // as one matrix of R = group x rows query rows (row hh * rows + r: head g*group + hh, query i0 + r).
-        const int g = tile / qb, b = tile % qb;
+        // Handed out last query block first: the costliest tiles (they see the most slots) go first, so
+        // the threads finish together.
+        const int g = tile % hkv, b = qb - 1 - tile / hkv;
         const HeadCache& hc = cache.head(layer, g);
         const int hn = hc.size(), base = hn - t;
         const int i0 = b * kQueryBlock, rows = std::min(kQueryBlock, t - i0), big_r = group * rows;
         const int cols = base + i0 + rows;  // slots the block's last query sees
         // Online softmax over blocks of kKeyBlock slots (the scores of a block stay in cache): running
         // maximum m and sum l per query row, the output rescaled when the maximum grows.
-        const std::size_t kb_max = static_cast<std::size_t>(std::min(kKeyBlock, cols)), ur = big_r;
-        grow(p, ur * (kb_max + 2 * dh + 2));
-        float* qg = p.data();           // [R, Dh] the tile's queries
-        float* sc = qg + ur * dh;       // [R, kc] scores, then probabilities
-        float* acc = sc + ur * kb_max;  // [R, Dh] unnormalised output
-        float* m = acc + ur * dh;       // [R]
-        float* l = m + ur;              // [R]
+        const int lds = blocks(std::min(kKeyBlock, cols), kNr) * kNr;  // row stride of the scores
+        const std::size_t ur = big_r, ulds = lds;
+        grow(p, ur * (ulds + 2 * dh + 2));
+        float* qg = p.data();         // [R, Dh] the tile's queries, scaled by 1/sqrt(Dh)
+        float* sc = qg + ur * dh;     // [R, lds] scores, then probabilities
+        float* acc = sc + ur * ulds;  // [R, Dh] unnormalised output
+        float* m = acc + ur * dh;     // [R]
+        float* l = m + ur;            // [R]
         for (int hh = 0; hh < group; ++hh) {
           for (int r = 0; r < rows; ++r) {
             const float* src = q + (static_cast<std::size_t>(i0 + r) * hq + g * group + hh) * dh;
-            std::copy(src, src + dh, qg + static_cast<std::size_t>(hh * rows + r) * dh);
+            float* dst = qg + static_cast<std::size_t>(hh * rows + r) * dh;
+            for (int e = 0; e < dh; ++e) dst[e] = src[e] * scale;
           }
         }
         std::fill(acc, acc + ur * dh, 0.0f);
         std::fill(m, m + ur, -std::numeric_limits<float>::infinity());
         std::fill(l, l + ur, 0.0f);
+        const float* kt = kt_.data() + head_panels * g;
         for (int k0 = 0; k0 < cols; k0 += kKeyBlock) {
           const int kc = std::min(kKeyBlock, cols - k0);
-          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, big_r, kc, dh, scale, qg, dh, hc.key(k0), dh,
-                      0.0f, sc, kc);
+          if (packed) {
+            scores_rows(qg, big_r, dh, kt + static_cast<std::size_t>(k0) * dh, blocks(kc, kNr), sc, lds);
+          } else {
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, big_r, kc, dh, 1.0f, qg, dh, hc.key(k0), dh,
+                        0.0f, sc, lds);
+          }
           for (int rr = 0; rr < big_r; ++rr) {
-            float* row = sc + static_cast<std::size_t>(rr) * kc;
+            float* row = sc + static_cast<std::size_t>(rr) * ulds;
             const int vis = std::clamp(base + i0 + rr % rows + 1 - k0, 0, kc);  // slots of this block it sees
             std::fill(row + vis, row + kc, 0.0f);
             if (vis == 0) continue;
@@ -322,8 +487,12 @@ class CpuBackend final : public DecoderBackend {
               for (int e = 0; e < dh; ++e) ar[e] *= alpha;
             }
           }
-          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, big_r, dh, kc, 1.0f, sc, kc, hc.value(k0),
-                      dh, 1.0f, acc, dh);
+          if (packed) {
+            pv_rows(sc, lds, big_r, hc.value(k0), kc, dh, acc);
+          } else {
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, big_r, dh, kc, 1.0f, sc, lds, hc.value(k0),
+                        dh, 1.0f, acc, dh);
+          }
         }
         for (int rr = 0; rr < big_r; ++rr) {
           const int hh = rr / rows, r = rr % rows;
@@ -339,6 +508,7 @@ class CpuBackend final : public DecoderBackend {
   std::shared_ptr<const ModelWeights> w_;
   std::vector<float> h_, a_, q_, k_, v_, attn_, gate_, up_;
   std::vector<std::vector<float>> scratch_;  // [thread] one attention tile's scores, output and statistics
+  std::vector<float> kt_;                    // [kv head] a layer's keys as panels (pack_keys), prefill only
 };
 
 }  // namespace

@@ -15,6 +15,23 @@ void HeadCache::append(const float* key, const float* value, float bias, const S
   ++version_;
 }
 
+void HeadCache::append_rows(const float* keys, const float* values, std::size_t row_stride,
+                            const TokenInfo* tokens, int n) {
+  if (n <= 0) return;
+  const std::size_t dh = static_cast<std::size_t>(head_dim_), old = info_.size(),
+                    un = static_cast<std::size_t>(n);
+  keys_.resize((old + un) * dh);
+  values_.resize((old + un) * dh);
+  bias_.resize(old + un, 0.0f);
+  info_.reserve(old + un);
+  for (std::size_t i = 0; i < un; ++i) {
+    std::copy_n(keys + i * row_stride, dh, keys_.data() + (old + i) * dh);
+    std::copy_n(values + i * row_stride, dh, values_.data() + (old + i) * dh);
+    info_.push_back(SlotInfo{tokens[i], 1});
+  }
+  ++version_;
+}
+
 void HeadCache::keep(const std::vector<bool>& mask) {
   if (mask.size() != info_.size()) {
     throw std::invalid_argument("HeadCache::keep: mask has " + std::to_string(mask.size()) + " entries for " +

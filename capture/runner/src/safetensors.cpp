@@ -1,4 +1,5 @@
-// safetensors reader: the whole file is read (models here are a few MB); every offset is checked.
+// safetensors reader: the header is parsed up front and every offset checked against the file size; a
+// tensor's bytes are read when it is converted, so loading holds the converted weights plus one tensor.
 #include "kvscope/runner/safetensors.hpp"
 
 #include <cstring>
@@ -79,10 +80,10 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   }
   std::string header(header_len, '\0');
   in.read(header.data(), static_cast<std::streamsize>(header_len));
-  const std::uint64_t data_size = static_cast<std::uint64_t>(file_size) - 8 - header_len;
-  data_.resize(data_size);
-  if (data_size) in.read(reinterpret_cast<char*>(data_.data()), static_cast<std::streamsize>(data_size));
   if (!in) fail(path, "read error");
+  const std::uint64_t data_size = static_cast<std::uint64_t>(file_size) - 8 - header_len;
+  data_offset_ = 8 + header_len;
+  in_ = std::move(in);
 
   nlohmann::json j;
   try {
@@ -132,6 +133,15 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   }
 }
 
+std::vector<std::uint8_t> SafetensorsFile::bytes(const StTensorInfo& t) const {
+  std::vector<std::uint8_t> out(t.end - t.begin);
+  in_.clear();
+  in_.seekg(static_cast<std::streamoff>(data_offset_ + t.begin));
+  if (!out.empty()) in_.read(reinterpret_cast<char*>(out.data()), static_cast<std::streamsize>(out.size()));
+  if (!in_) fail(path_, "read error (file changed or truncated while loading?)");
+  return out;
+}
+
 const StTensorInfo& SafetensorsFile::info(const std::string& name) const {
   auto it = tensors_.find(name);
   if (it == tensors_.end()) fail(path_, "missing tensor '" + name + "'");
@@ -142,7 +152,15 @@ std::vector<float> SafetensorsFile::to_f32(const std::string& name) const {
   const StTensorInfo& t = info(name);
   const std::size_t n = static_cast<std::size_t>(t.numel());
   std::vector<float> out(n);
-  const std::uint8_t* p = data_.data() + t.begin;
+  if (t.dtype == StDType::kF32) {  // straight into the result
+    in_.clear();
+    in_.seekg(static_cast<std::streamoff>(data_offset_ + t.begin));
+    if (n) in_.read(reinterpret_cast<char*>(out.data()), static_cast<std::streamsize>(4 * n));
+    if (!in_) fail(path_, "read error (file changed or truncated while loading?)");
+    return out;
+  }
+  const std::vector<std::uint8_t> raw = bytes(t);
+  const std::uint8_t* p = raw.data();
   for (std::size_t i = 0; i < n; ++i) {
     switch (t.dtype) {
       case StDType::kF32:
@@ -189,7 +207,8 @@ std::vector<std::int64_t> SafetensorsFile::to_i64(const std::string& name) const
   const StTensorInfo& t = info(name);
   const std::size_t n = static_cast<std::size_t>(t.numel());
   std::vector<std::int64_t> out(n);
-  const std::uint8_t* p = data_.data() + t.begin;
+  const std::vector<std::uint8_t> raw = bytes(t);
+  const std::uint8_t* p = raw.data();
   for (std::size_t i = 0; i < n; ++i) {
     switch (t.dtype) {
       case StDType::kI32: {

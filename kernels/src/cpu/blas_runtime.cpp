@@ -3,9 +3,12 @@
 #include <cblas.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 namespace kvscope::kernels {
 
@@ -13,6 +16,26 @@ const char* blas_core_name() { return openblas_get_corename(); }
 
 void pin_blas_to_one_thread() {
   if (openblas_get_num_threads() != 1) openblas_set_num_threads(1);
+}
+
+double measure_sgemm_flops_per_s(int threads, int n, int reps) {
+  if (n <= 0 || threads <= 0 || reps <= 0) return 0;
+  openblas_set_num_threads(threads);
+  const std::size_t nn = static_cast<std::size_t>(n) * static_cast<std::size_t>(n);
+  std::vector<float> a(nn), b(nn), c(nn, 0.0f);
+  for (std::size_t i = 0; i < nn; ++i) {
+    a[i] = static_cast<float>((i * 7) % 13) * 0.1f - 0.6f;
+    b[i] = static_cast<float>((i * 5) % 11) * 0.1f - 0.5f;
+  }
+  double best = 0;
+  for (int rep = 0; rep <= reps; ++rep) {  // rep 0 is the untimed warm-up
+    const auto t0 = std::chrono::steady_clock::now();
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f,
+                c.data(), n);
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (rep > 0 && dt > 0) best = std::max(best, 2.0 * n * static_cast<double>(n) * n / dt);
+  }
+  return best;
 }
 
 void use_fast_blas_runtime(char** argv, const BlasRuntimeOptions& options) {

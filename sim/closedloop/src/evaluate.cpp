@@ -67,7 +67,7 @@ void decode_loop(runner::Model& model, const runner::Prompt& prompt, runner::KvC
                          : static_cast<int>(std::max_element(logits.begin(), logits.end()) - logits.begin());
     r.logits.push_back(logits);
     r.tokens.push_back(next);
-    if (next == cfg.eos_token_id || static_cast<int>(r.tokens.size()) == limit) break;
+    if (cfg.is_eos(next) || static_cast<int>(r.tokens.size()) == limit) break;
     runner::TokenInfo tok;
     tok.token_id = next;
     tok.position = tok.index = prompt.size() + step;

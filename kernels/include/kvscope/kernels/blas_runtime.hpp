@@ -32,4 +32,9 @@ const char* blas_core_name();
 // computation agree bit for bit. Parallelism comes from OpenMP around the products.
 void pin_blas_to_one_thread();
 
+// The machine's sgemm rate through the OpenBLAS kvscope links: C = A * B, n x n x n, on `threads` BLAS
+// threads, best of `reps` after one untimed product; FLOP/s counting 2 n^3. Leaves OpenBLAS on `threads`
+// threads (pin_blas_to_one_thread() before the next product of a kvscope kernel).
+double measure_sgemm_flops_per_s(int threads, int n, int reps);
+
 }  // namespace kvscope::kernels

@@ -5,6 +5,7 @@
 // nobody touched gives exactly plain causal attention.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -42,6 +43,11 @@ class HeadCache {
 
   // Mutators (each bumps version(), so device mirrors know to refresh).
   void append(const float* key, const float* value, float bias, const SlotInfo& info);
+  // Appends n plain slots (bias 0, multiplicity 1) for tokens[0..n): slot i's key and value are the
+  // head_dim floats at keys + i * row_stride and values + i * row_stride (a prefill's [T, heads * head_dim]
+  // rows). One growth of the storage instead of n.
+  void append_rows(const float* keys, const float* values, std::size_t row_stride, const TokenInfo* tokens,
+                   int n);
   // Keeps the slots whose mask entry is true, in order (eviction). mask.size() must equal size().
   void keep(const std::vector<bool>& mask);
   // Overwrites a slot's key/value (merge result or dequantized values) and its bias and multiplicity.

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <fstream>
 #include <map>
 #include <string>
 #include <vector>
@@ -20,8 +21,9 @@ struct StTensorInfo {
 
 class SafetensorsFile {
  public:
-  // Reads the whole file. Throws RunnerError(kModel) naming the file for a missing or truncated file, a
-  // bad header, an unknown dtype or offsets outside the data section.
+  // Reads and checks the header; the file stays open and each tensor's bytes are read when it is
+  // converted. Throws RunnerError(kModel) naming the file for a missing or truncated file, a bad header, an
+  // unknown dtype or offsets outside the data section (and the conversions for a read error).
   explicit SafetensorsFile(const std::string& path);
 
   const std::string& path() const { return path_; }
@@ -38,8 +40,11 @@ class SafetensorsFile {
   std::vector<std::int64_t> to_i64(const std::string& name) const;
 
  private:
+  std::vector<std::uint8_t> bytes(const StTensorInfo& t) const;  // the tensor's raw bytes
+
   std::string path_;
-  std::vector<std::uint8_t> data_;  // the data section
+  mutable std::ifstream in_;       // the open file (reads seek, so conversions are not thread-safe)
+  std::uint64_t data_offset_ = 0;  // file offset of the data section
   std::map<std::string, StTensorInfo> tensors_;
   std::map<std::string, std::string> metadata_;
 };
