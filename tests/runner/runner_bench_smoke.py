@@ -1,5 +1,5 @@
-"""kvrunner-bench: one JSON object per repetition with the documented fields, and bad arguments refused with
-exit 2 and one line. Usage: runner_bench_smoke.py KVRUNNER_BENCH"""
+"""kvrunner-bench: one JSON object per repetition with the documented fields (prefill_flop as docs/perf.md counts
+it), the --sgemm-ceiling object, and bad arguments refused with exit 2 and one line. Usage: runner_bench_smoke.py KVRUNNER_BENCH"""
 import json
 import subprocess
 import sys
@@ -15,8 +15,15 @@ for r in rows:
     assert r["prefill_s"] > 0 and r["decode_s"] > 0 and abs(r["prefill_tok_s"] - 70 / r["prefill_s"]) < 1e-2 * r["prefill_tok_s"], r
     assert set(r["phases_s"]) == {"qkv", "attention", "mlp", "lm_head"}, r
     assert 0 <= r["next_token"] < 49152, r
+    # 70 tokens: projections 212.3 MFLOP a token, causal attention 30 x 9 x 4 x 64 x 70 x 71 / 2, the logits
+    want = 70 * 30 * 2 * 576 * (2 * 576 + 2 * 192 + 3 * 1536) + 30 * 9 * 4 * 64 * 70 * 71 / 2 + 2 * 576 * 49152
+    assert abs(r["prefill_flop"] - want) < 1e-5 * want, (r["prefill_flop"], want)
 assert rows[0]["next_token"] == rows[1]["next_token"], rows
-for bad in (["--synthetic", "smollm2-135m"], ["--model", "x"], ["--synthetic", "other", "--tokens", "4"],
+p = subprocess.run([exe, "--sgemm-ceiling", "--threads", "1"], capture_output=True, text=True, timeout=600)
+assert p.returncode == 0, p.stderr
+c = json.loads(p.stdout)
+assert c["sgemm_n"] == 2048 and c["threads"] == 1 and c["sgemm_flops_per_s"] > 1e8 and c["blas_core"], c
+for bad in (["--sgemm-ceiling", "--model", "x"], ["--synthetic", "smollm2-135m"], ["--model", "x"], ["--synthetic", "other", "--tokens", "4"],
             ["--tokens", "x", "--synthetic", "smollm2-135m"], ["--frobnicate"]):
     p = subprocess.run([exe] + bad, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and p.stdout == "" and len(p.stderr.strip().splitlines()) == 1, (bad, p)

@@ -20,6 +20,10 @@ if [[ $mode == cli ]]; then
 "$kvcap" eval --help >"$dir/ehelp.out" 2>&1 && grep -q -- "--task" "$dir/ehelp.out" &&
   grep -q -- "--per-point-prefill" "$dir/ehelp.out" && ok "eval help" || bad "eval help"
 
+"$kvcap" tasks --suite >"$dir/suite.out" 2>&1 && grep -qx "passkey 512" "$dir/suite.out" &&
+  ! grep -vqE "^(passkey|needle|multikey|vartrack) [0-9]+$" "$dir/suite.out" && ok "tasks suite" ||
+  bad "tasks suite: $(cat "$dir/suite.out")"
+
 "$kvcap" tasks --task multikey --length 1024 --samples 5 --seed 9 -o "$dir/a.jsonl" &&
   "$kvcap" tasks --task multikey --length 1024 --samples 5 --seed 9 >"$dir/b.jsonl" &&
   "$kvcap" tasks --task multikey --length 1024 --samples 5 --seed 10 >"$dir/c.jsonl" &&

@@ -198,6 +198,18 @@ TEST_F(Tasks, OurDocsAsHaystack) {
   EXPECT_EQ(count_word(s[0].user, s[0].answer), 1);
 }
 
+TEST(TaskSuite, DefaultSuiteHoldsValidDistinctCombinations) {
+  std::set<std::pair<std::string, int>> seen;
+  for (const auto& tl : kDefaultSuite) {
+    EXPECT_NO_THROW(check_task_name(tl.task));
+    EXPECT_GE(tl.length, kMinTaskLength);
+    EXPECT_LE(tl.length, kMaxTaskLength);
+    EXPECT_TRUE(seen.insert({tl.task, tl.length}).second) << tl.task << " " << tl.length << " twice";
+  }
+  // vartrack stays out: the uncompressed model answers 40 % at 512 tokens (docs/tasks.md).
+  EXPECT_EQ(seen.count({"vartrack", 512}), 0u);
+}
+
 TEST(TaskMatch, AnswerMatches) {
   EXPECT_TRUE(answer_matches(" 48213.", "48213"));
   EXPECT_TRUE(answer_matches("48213", "48213"));

@@ -23,7 +23,8 @@ int tasks_fail(const std::string& msg) { return fail("kvcap tasks", msg); }
 
 int tasks_command(const std::vector<std::string>& args) {
   po::options_description opts(
-      "kvcap tasks --task NAME [--length N] [--samples N] [--seed S] [-o FILE]\n\n"
+      "kvcap tasks --task NAME [--length N] [--samples N] [--seed S] [-o FILE]\n"
+      "kvcap tasks --suite\n\n"
       "Writes long-context task prompts (docs/tasks.md) as JSON lines, one sample a line: task, length,\n"
       "seed, index, user (the user message), answer_prefix (pre-filled assistant text), answer, "
       "needle_char,\n"
@@ -31,8 +32,11 @@ int tasks_command(const std::vector<std::string>& args) {
       closedloop::task_names_list() +
       ".\n"
       "Lengths count tokens of --model's tokenizer (tokenizer.json), else 4.8 bytes a token (approximate).\n"
-      "With --model the prompts are exactly those kvcap eval --task builds for that model.\n\nOptions");
+      "With --model the prompts are exactly those kvcap eval --task builds for that model.\n"
+      "--suite lists the default suite instead, one 'task length' a line: the combinations where the\n"
+      "uncompressed SmolLM2-135M-Instruct reaches >= 80 % over 100 samples (docs/tasks.md).\n\nOptions");
   opts.add_options()("help,h", "show this help")("task", po::value<std::string>(), "task name")(
+      "suite", "list the default suite (task length per line) and exit")(
       "length", po::value<int>()->default_value(1024), "tokens of the user message (512 .. 4096)")(
       "samples", po::value<int>()->default_value(100), "number of samples")(
       "seed", po::value<unsigned long long>()->default_value(1), "generator seed")(
@@ -44,6 +48,10 @@ int tasks_command(const std::vector<std::string>& args) {
   const std::string examples =
       "\nExample:\n  kvcap tasks --task passkey --length 1024 --samples 100 -o passkey.jsonl\n";
   if (const auto exit = parse_options("kvcap tasks", args, opts, vm, examples)) return *exit;
+  if (vm.count("suite")) {
+    for (const auto& tl : closedloop::kDefaultSuite) std::cout << tl.task << " " << tl.length << "\n";
+    return 0;
+  }
   if (!vm.count("task")) return tasks_fail("missing --task (valid: " + closedloop::task_names_list() + ")");
   std::vector<closedloop::TaskSample> samples;
   try {
