@@ -247,6 +247,7 @@ std::vector<LayerResult> run_budgets_on_layer(const PolicySpec& p, const std::ve
     res[b].token_maps = {};
   }
   L.prepare_steps();
+  L.answer_topk();  // before the parallel evaluation reads it
   EvalScratch scratch;
   for (int h = 0; h < H; ++h) {
     std::vector<const std::vector<std::int32_t>*> sets(B);
