@@ -65,6 +65,23 @@ double topk_survival(LayerData& L, int h, const std::int32_t* token_to_slot) {
 
 }  // namespace
 
+void add_step_rows(LayerData& L, const TraceContext& ctx, int h, int s, const float* err, const float* rec,
+                   const float* kl, const float* dent, const float* recm, const float* mfull, const float* mcomp,
+                   Quality& q) {
+  add_rows(err, rec, kl, dent, recm, mfull, mcomp, L.full_step(h, s).entropy, ctx.geometry.group_size(), ctx.S,
+           s, ctx, q);
+}
+
+void add_topk_recall(LayerData& L, const TraceContext& ctx, int h, const std::vector<std::int32_t>& kept,
+                     Quality& q) {
+  if (ctx.query_set_steps(kAnswerQueries) <= 0) return;
+  const std::vector<std::int32_t>& top = L.answer_topk().tokens[static_cast<std::size_t>(h)];
+  int alive = 0;
+  for (const std::int32_t t : top) alive += std::binary_search(kept.begin(), kept.end(), t) ? 1 : 0;
+  q.proxies.topk_recall += top.empty() ? 1.0 : static_cast<double>(alive) / static_cast<double>(top.size());
+  q.proxies.topk_mass = L.answer_topk().mass[static_cast<std::size_t>(h)];
+}
+
 void add_step_quality(LayerData& L, TraceContext& ctx, int h, int s, const StepCache& c, bool proportional,
                       Quality& q) {
   const auto& g = ctx.geometry;

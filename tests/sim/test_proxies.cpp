@@ -103,3 +103,18 @@ TEST(Proxies, AggregateByTheirOwnRules) {
     EXPECT_LT(P.topk_recall, 1.0) << p.policy << ": compressing to <= 40% loses some of the answer's top-k";
   }
 }
+
+TEST(Proxies, BudgetsEvaluatedTogetherGiveTheSameProxies) {
+  // The budgets of an eviction-only policy are evaluated in one pass (budget_batch.hpp); a point alone
+  // takes the per-point path. Both must report the same proxies and query-set metrics.
+  const SweepOutput alone = sweep({"h2o@0.3"}), together = sweep({"h2o@0.3", "h2o@0.6", "h2o@0.8"});
+  const PointResult &a = alone.points[0], &b = together.points[0];
+  ASSERT_EQ(a.layers.size(), b.layers.size());
+  for (int i = 0; i < kNumProxies; ++i) {
+    EXPECT_NEAR(proxy_value(a.total.quality.proxies, i), proxy_value(b.total.quality.proxies, i), 1e-5)
+        << proxy_name(i);
+  }
+  EXPECT_NEAR(answer(a.total.quality).output_error, answer(b.total.quality).output_error, 1e-6);
+  EXPECT_GT(answer(b.total.quality).output_error, 0.0);
+  EXPECT_LT(b.total.quality.proxies.topk_recall, 1.0);
+}
