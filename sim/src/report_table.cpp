@@ -221,7 +221,7 @@ std::string table_rows(const std::vector<const PointResult*>& rows, const TableO
 }  // namespace
 
 // Updated from docs/validation.md's held-out results (scripts/calibrate --heldout).
-const char* const kDefaultRankProxy = "topk_recall_retrieval";
+const char* const kDefaultRankProxy = "topk_recall_min";
 
 namespace {
 
