@@ -16,8 +16,8 @@
 
 #include "kvscope/sim/pareto.hpp"
 #include "kvscope/sim/report.hpp"
-#include "sim/sample_results.hpp"
 #include "scratch.hpp"
+#include "sim/sample_results.hpp"
 
 namespace fs = std::filesystem;
 using namespace kvscope;
@@ -177,8 +177,12 @@ TEST(Table, AudioColumnAndWidthLimit) {
 TEST(Table, RanksThePoliciesByTheBestProxyAndSaysWhich) {
   std::vector<sim::PointResult> points = sample_points();
   const double recall[] = {0.2, 0.9, 0.5, 0.7};  // h2o 0.3, h2o 0.6, random 0.3, random 0.6
+  int rank = -1;                                 // the default rank proxy's index in Proxies
+  for (int k = 0; k < sim::kNumProxies; ++k)
+    if (std::string(sim::proxy_name(k)) == sim::kDefaultRankProxy) rank = k;
+  ASSERT_GE(rank, 0) << "the default rank proxy is a recall of Proxies";
   for (std::size_t i = 0; i < points.size() && i < 4; ++i)
-    points[i].total.quality.proxies.topk_recall_retrieval = recall[i];
+    sim::proxy_value(points[i].total.quality.proxies, rank) = recall[i];
   const std::vector<std::string> lines = lines_of(sim::format_table(points));
   ASSERT_GE(lines.size(), 6u);
   EXPECT_EQ(lines[0].rfind(std::string("ranked by ") + sim::kDefaultRankProxy + ", best first", 0), 0u)
