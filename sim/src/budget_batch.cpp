@@ -25,25 +25,6 @@ namespace {
 
 constexpr int kM = kModalities;
 
-// Adds the per-row metrics of one kv head, rows r = s * G + j, each weighted 1 / (G * S), in row order
-// (as evaluation.cpp's add_rows).
-struct RowSink {
-  Quality& q;
-  double w;
-  void add(double err, double rec, double kl, double dent, const double* recm, const double* mfull,
-           const double* mcomp) const {
-    q.output_error += static_cast<float>(err) * w;
-    q.attention_recall += static_cast<float>(rec) * w;
-    q.kl += static_cast<float>(kl) * w;
-    q.entropy_delta += static_cast<float>(dent) * w;
-    for (int m = 0; m < kM; ++m) {
-      q.recall_modality[static_cast<std::size_t>(m)] += static_cast<float>(recm[m]) * w;
-      q.share_before[static_cast<std::size_t>(m)] += static_cast<float>(mfull[m]) * w;
-      q.share_after[static_cast<std::size_t>(m)] += static_cast<float>(mcomp[m]) * w;
-    }
-  }
-};
-
 // One kv head, one budget, on its own: the kept tokens compacted with the decode tokens, evaluated by the
 // batched CPU evaluation (which reuses the full attention for such a cache).
 void evaluate_alone(LayerData& L, const TraceContext& ctx, int h, const std::vector<std::int32_t>& kept,
@@ -77,16 +58,12 @@ void evaluate_alone(LayerData& L, const TraceContext& ctx, int h, const std::vec
   p.proportional_attention = proportional;
   RowMetrics& r = scratch.rows;
   evaluate_prefill_rows_cpu(p, scratch, r);
-  const RowSink sink{q, 1.0 / (static_cast<double>(G) * S)};
-  for (std::size_t i = 0; i < static_cast<std::size_t>(G) * S; ++i) {
-    double recm[kM], mfull[kM], mcomp[kM];
-    for (int m = 0; m < kM; ++m) {
-      recm[m] = r.recall_modality[i * kM + static_cast<std::size_t>(m)];
-      mfull[m] = r.mass_full[i * kM + static_cast<std::size_t>(m)];
-      mcomp[m] = r.mass_compressed[i * kM + static_cast<std::size_t>(m)];
-    }
-    sink.add(r.output_error[i], r.recall[i], r.kl[i], r.entropy_change[i], recm, mfull, mcomp);
+  for (int s = 0; s < S; ++s) {
+    const std::size_t o = static_cast<std::size_t>(s) * static_cast<std::size_t>(G), om = o * kM;
+    add_step_rows(L, ctx, h, s, &r.output_error[o], &r.recall[o], &r.kl[o], &r.entropy_change[o],
+                  &r.recall_modality[om], &r.mass_full[om], &r.mass_compressed[om], q);
   }
+  add_topk_recall(L, ctx, h, kept, q);
 }
 
 // All budgets of kv head h from one pass over the increments. `order` sorts the budgets by kept count,
@@ -159,7 +136,8 @@ bool evaluate_nested(LayerData& L, const TraceContext& ctx, int h, const std::ve
     for (int r = 0; r < R; ++r)
       if (!(z[static_cast<std::size_t>(r)] >= 1e-20)) return false;
     Quality q{};
-    const RowSink sink{q, 1.0 / (static_cast<double>(G) * S)};
+    // The G rows of a step, added together (add_step_rows) once the step's last row is done.
+    std::vector<float> rows(static_cast<std::size_t>(G) * 4), rows_m(static_cast<std::size_t>(G) * 3 * kM);
     for (int r = 0; r < R; ++r) {
       const int st = r / G, j = r % G;
       const kernels::FullAttention full = L.full_step(h, st);
@@ -179,16 +157,25 @@ bool evaluate_nested(LayerData& L, const TraceContext& ctx, int h, const std::ve
       const double kl = survived > 0.0 ? (zs / survived) * (std::log(zs) - std::log(survived)) : 0.0;
       const double h_comp = std::log(zs) - e[static_cast<std::size_t>(r)] * inv;
       const double norm = std::sqrt(norm2), diff = std::sqrt(diff2);
-      double recm[kM], mfull[kM], mcomp[kM];
+      const std::size_t gj = static_cast<std::size_t>(j), GG = static_cast<std::size_t>(G);
+      float* recm = &rows_m[gj * kM];
+      float* mfull = &rows_m[(GG + gj) * kM];
+      float* mcomp = &rows_m[(2 * GG + gj) * kM];
       for (int m = 0; m < kM; ++m) {
         recm[m] = static_cast<float>(mass[m] > 0.0 ? c[m] / mass[m] : 1.0);
         mfull[m] = static_cast<float>(mass[m] / total);
         mcomp[m] = static_cast<float>(c[m] * inv);
       }
-      sink.add(static_cast<float>(norm > 0.0 ? diff / norm : diff), static_cast<float>(survived / total),
-               static_cast<float>(kl), static_cast<float>(h_comp - static_cast<double>(full.entropy[j])),
-               recm, mfull, mcomp);
+      rows[gj] = static_cast<float>(norm > 0.0 ? diff / norm : diff);
+      rows[GG + gj] = static_cast<float>(survived / total);
+      rows[2 * GG + gj] = static_cast<float>(kl);
+      rows[3 * GG + gj] = static_cast<float>(h_comp - static_cast<double>(full.entropy[j]));
+      if (j == G - 1) {
+        add_step_rows(L, ctx, h, st, &rows[0], &rows[GG], &rows[2 * GG], &rows[3 * GG], &rows_m[0],
+                      &rows_m[GG * kM], &rows_m[2 * GG * kM], q);
+      }
     }
+    add_topk_recall(L, ctx, h, *sets[order[b]], q);
     *out[order[b]] = q;
   }
   return true;
@@ -247,6 +234,7 @@ std::vector<LayerResult> run_budgets_on_layer(const PolicySpec& p, const std::ve
     res[b].token_maps = {};
   }
   L.prepare_steps();
+  L.answer_topk();  // before the parallel evaluation reads it
   EvalScratch scratch;
   for (int h = 0; h < H; ++h) {
     std::vector<const std::vector<std::int32_t>*> sets(B);

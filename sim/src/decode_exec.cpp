@@ -60,6 +60,7 @@ LayerResult run_decode_policy_on_layer(const PolicySpec& p, double prefill_keep,
   if (S <= 0) throw std::runtime_error("no evaluation queries");
   const stages::LayerView view(p, L, ctx);
   L.prepare_steps();
+  L.answer_topk();  // before the parallel evaluation reads it
   // Head merging is prefill-only (check_decode_support): every kv head keeps its own resident set.
   if (layer == 0 && H > 1 && !find_stage_info(StageKind::kHeadMerge, p.stages.head_merge)->decode)
     warnings.push_back("decode mode runs the kv heads unmerged (head_merge '" + p.stages.head_merge +

@@ -1,5 +1,7 @@
 #include "evaluation.hpp"
 
+#include <algorithm>
+#include <cmath>
 #include <stdexcept>
 #include <vector>
 
@@ -10,9 +12,23 @@ namespace {
 // Adds the G rows of step s, each weighted 1 / (G * S), in row order (both paths, so that the
 // double sums see the same terms in the same order); and to each query set holding step s, weighted
 // 1 / (G * steps of the set) (docs/metrics.md "Query sets").
+// The proxies of an answer step's rows (docs/metrics.md "Proxies"): the worst row's error and the
+// concentration-weighted error sums (`entropy`: the full attention's entropy of each row, over `tokens`
+// keys), weighted 1 / (G * answer steps).
 void add_rows(const float* err, const float* rec, const float* kl, const float* dent, const float* recm,
-              const float* mfull, const float* mcomp, int G, int S, int s, const TraceContext& ctx,
-              Quality& q) {
+              const float* mfull, const float* mcomp, const float* entropy, int G, int S, int s,
+              const TraceContext& ctx, Quality& q) {
+  if (ctx.in_query_set(kAnswerQueries, s)) {
+    Proxies& x = q.proxies;
+    const double ws = 1.0 / (static_cast<double>(G) * ctx.query_set_steps(kAnswerQueries));
+    const double log_n = std::log(static_cast<double>(ctx.T + s + 1));
+    for (std::size_t r = 0; r < static_cast<std::size_t>(G); ++r) {
+      x.error_worst_query = std::max(x.error_worst_query, static_cast<double>(err[r]));
+      const double c = log_n > 0 ? std::clamp(1.0 - entropy[r] / log_n, 0.0, 1.0) : 1.0;
+      x.error_retrieval += c * err[r] * ws;  // finish_proxies divides by the weight
+      x.concentration += c * ws;
+    }
+  }
   for (int set = 0; set < kQuerySets; ++set) {
     if (!ctx.in_query_set(set, s)) continue;
     QuerySetQuality& qs = q.query_sets[static_cast<std::size_t>(set)];
@@ -38,7 +54,33 @@ void add_rows(const float* err, const float* rec, const float* kl, const float* 
   }
 }
 
+// Share of kv head h's answer top-k tokens that survive in a cache (token_to_slot >= 0).
+double topk_survival(LayerData& L, int h, const std::int32_t* token_to_slot) {
+  const std::vector<std::int32_t>& top = L.answer_topk().tokens[static_cast<std::size_t>(h)];
+  if (top.empty()) return 1.0;
+  int alive = 0;
+  for (const std::int32_t t : top) alive += token_to_slot[t] >= 0 ? 1 : 0;
+  return static_cast<double>(alive) / static_cast<double>(top.size());
+}
+
 }  // namespace
+
+void add_step_rows(LayerData& L, const TraceContext& ctx, int h, int s, const float* err, const float* rec,
+                   const float* kl, const float* dent, const float* recm, const float* mfull, const float* mcomp,
+                   Quality& q) {
+  add_rows(err, rec, kl, dent, recm, mfull, mcomp, L.full_step(h, s).entropy, ctx.geometry.group_size(), ctx.S,
+           s, ctx, q);
+}
+
+void add_topk_recall(LayerData& L, const TraceContext& ctx, int h, const std::vector<std::int32_t>& kept,
+                     Quality& q) {
+  if (ctx.query_set_steps(kAnswerQueries) <= 0) return;
+  const std::vector<std::int32_t>& top = L.answer_topk().tokens[static_cast<std::size_t>(h)];
+  int alive = 0;
+  for (const std::int32_t t : top) alive += std::binary_search(kept.begin(), kept.end(), t) ? 1 : 0;
+  q.proxies.topk_recall += top.empty() ? 1.0 : static_cast<double>(alive) / static_cast<double>(top.size());
+  q.proxies.topk_mass = L.answer_topk().mass[static_cast<std::size_t>(h)];
+}
 
 void add_step_quality(LayerData& L, TraceContext& ctx, int h, int s, const StepCache& c, bool proportional,
                       Quality& q) {
@@ -67,8 +109,12 @@ void add_step_quality(LayerData& L, TraceContext& ctx, int h, int s, const StepC
   const kernels::Status st =
       ctx.backend->evaluate_attention(ep, query, ctx.modality_all.data(), L.full_step(h, s), cache, eo);
   if (!st.ok()) throw std::runtime_error("evaluate (step " + std::to_string(s) + "): " + st.message());
-  add_rows(err.data(), rec.data(), kl.data(), dent.data(), recm.data(), mfull.data(), mcomp.data(), G, ctx.S,
-           s, ctx, q);
+  add_rows(err.data(), rec.data(), kl.data(), dent.data(), recm.data(), mfull.data(), mcomp.data(),
+           L.full_step(h, s).entropy, G, ctx.S, s, ctx, q);
+  if (ctx.in_query_set(kAnswerQueries, s)) {
+    q.proxies.topk_recall += topk_survival(L, h, c.token_to_slot) / ctx.query_set_steps(kAnswerQueries);
+    q.proxies.topk_mass = L.answer_topk().mass[static_cast<std::size_t>(h)];
+  }
 }
 
 void add_prefill_quality(LayerData& L, TraceContext& ctx, int h, const PrefillCache& c, bool proportional,
@@ -101,7 +147,12 @@ void add_prefill_quality(LayerData& L, TraceContext& ctx, int h, const PrefillCa
     const std::size_t o = static_cast<std::size_t>(s) * G;
     const std::size_t om = o * kModalities;
     add_rows(&r.output_error[o], &r.recall[o], &r.kl[o], &r.entropy_change[o], &r.recall_modality[om],
-             &r.mass_full[om], &r.mass_compressed[om], G, S, s, ctx, q);
+             &r.mass_full[om], &r.mass_compressed[om], L.full_step(h, s).entropy, G, S, s, ctx, q);
+  }
+  // The context slots are the same at every step: the top-k survival is that of any answer step.
+  if (ctx.query_set_steps(kAnswerQueries) > 0) {
+    q.proxies.topk_recall += topk_survival(L, h, c.token_to_slot);
+    q.proxies.topk_mass = L.answer_topk().mass[static_cast<std::size_t>(h)];
   }
 }
 

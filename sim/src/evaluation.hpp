@@ -22,6 +22,17 @@ struct StepCache {
   const std::int32_t* token_to_slot = nullptr;  // [T + s + 1] slot of each token or -1
 };
 
+// Adds the G query rows of step s of kv head h (per-row metrics as the batched evaluation computes them;
+// recm, mfull, mcomp [G, 4]) to q exactly as add_step_quality adds a step: the all-query means, the query
+// sets and the proxies' row statistics (docs/metrics.md). Used by the budget batch (budget_batch.cpp).
+void add_step_rows(LayerData& layer, const TraceContext& ctx, int kv_head, int step, const float* err,
+                   const float* rec, const float* kl, const float* dent, const float* recm, const float* mfull,
+                   const float* mcomp, Quality& q);
+// The answer top-k recall and mass of kv head h for a prefill-mode cache holding the context tokens `kept`
+// (ascending ids), as add_prefill_quality adds them.
+void add_topk_recall(LayerData& layer, const TraceContext& ctx, int kv_head, const std::vector<std::int32_t>& kept,
+                     Quality& q);
+
 // Evaluates step `step` of kv head `kv_head` and adds each metric / (G * S) into `q`, so that
 // summing over the S steps gives the mean over the head's G * S query rows. Throws on a kernel error.
 void add_step_quality(LayerData& layer, TraceContext& ctx, int kv_head, int step, const StepCache& cache,

@@ -2,6 +2,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <numeric>
 #include <stdexcept>
 
 #include "exec_util.hpp"
@@ -491,6 +492,44 @@ const std::vector<float>& LayerData::decode_attention_mass() {
   }
   decode_mass_.assign(mass.begin(), mass.end());
   return decode_mass_;
+}
+
+const LayerData::AnswerTopK& LayerData::answer_topk() {
+  if (have_answer_topk_) return answer_topk_;
+  prepare_steps();
+  const int H = ctx_.geometry.num_kv_heads, G = ctx_.geometry.group_size(), T = ctx_.T, S = ctx_.S;
+  const int steps = ctx_.query_set_steps(kAnswerQueries);
+  const int k = std::min(kTopK, T);
+  answer_topk_.tokens.assign(static_cast<std::size_t>(H), {});
+  answer_topk_.mass.assign(static_cast<std::size_t>(H), 0.0);
+  std::vector<double> a(static_cast<std::size_t>(T));
+  std::vector<std::int32_t> order(static_cast<std::size_t>(T));
+  for (int h = 0; h < H; ++h) {
+    std::fill(a.begin(), a.end(), 0.0);
+    for (int s = 0; s < S; ++s) {
+      if (!ctx_.in_query_set(kAnswerQueries, s)) continue;
+      const std::size_t len = static_cast<std::size_t>(T + s + 1);
+      const float* probs = full_step(h, s).probs;  // [G, T + s + 1]
+      for (int j = 0; j < G; ++j) {
+        const float* pr = probs + static_cast<std::size_t>(j) * len;
+        for (int t = 0; t < T; ++t) a[static_cast<std::size_t>(t)] += pr[t];
+      }
+    }
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](std::int32_t x, std::int32_t y) {
+      const double ax = a[static_cast<std::size_t>(x)], ay = a[static_cast<std::size_t>(y)];
+      return ax != ay ? ax > ay : x < y;
+    });
+    std::vector<std::int32_t> top(order.begin(), order.begin() + k);
+    std::sort(top.begin(), top.end());
+    double mass = 0;
+    for (std::int32_t t : top) mass += a[static_cast<std::size_t>(t)];
+    answer_topk_.mass[static_cast<std::size_t>(h)] =
+        steps > 0 ? mass / (static_cast<double>(G) * steps) : 0.0;
+    answer_topk_.tokens[static_cast<std::size_t>(h)] = std::move(top);
+  }
+  have_answer_topk_ = true;
+  return answer_topk_;
 }
 
 void LayerData::prepare_prefill_statistics(const PolicySpec& p) {

@@ -112,7 +112,9 @@ LayerSelection select_on_layer(const PolicySpec& p, double keep, LayerData& L, T
   kernels::SelectParams sp;
   if (!keep_all) {
     const double frac = std::clamp(allocator.layer_fraction(view, keep), 0.0, 1.0);
-    k = std::clamp(static_cast<int>(std::lround(frac * T)), 1, T);
+    // keep_rounding = kvpress: kvpress keeps int(T * (1 - compression_ratio)) tokens.
+    const double tokens = p.floor_keep ? std::floor(T * (1.0 - (1.0 - frac))) : std::round(frac * T);
+    k = std::clamp(static_cast<int>(tokens), 1, T);
     recent = std::max(recent, static_cast<int>(std::lround(p.recent_fraction * k)));
     allocator.allocate(view, scores, Hw, k, sp, protect);
     // The forced set must fit: a budget below it is raised (with a warning), never zero tokens.
@@ -211,6 +213,7 @@ LayerResult execute_selection(const PolicySpec& p, const LayerSelection& sel, La
   res.merged_heads = Hw;
   res.heads.resize(static_cast<std::size_t>(H));
   L.prepare_steps();
+  L.answer_topk();  // before the parallel evaluation reads it
   const std::vector<float>& kall = L.k_all();
   const std::vector<float>& vall = L.v_all();
   const std::size_t SD = static_cast<std::size_t>(S) * static_cast<std::size_t>(D);

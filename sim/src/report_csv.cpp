@@ -59,6 +59,13 @@ std::string query_set_columns(const Quality& q) {
   return out;
 }
 
+// Appended columns (results-format 1.3): the fidelity proxies (docs/metrics.md "Proxies").
+std::string proxy_columns(const Quality& q) {
+  std::string out;
+  for (int i = 0; i < kNumProxies; ++i) out.append(",").append(num(proxy_value(q.proxies, i)));
+  return out;
+}
+
 void write_rows(std::ostream& os, const PointResult& p, const std::string& layer_name, const HeadResult& r,
                 const std::string& flags, const std::vector<int>& modalities, bool query_sets) {
   const Quality& q = r.quality;
@@ -78,6 +85,7 @@ void write_rows(std::ostream& os, const PointResult& p, const std::string& layer
                                  .append(",")
                                  .append(quoted(p.kind))
                                  .append(query_sets ? query_set_columns(q) : std::string())
+                                 .append(proxy_columns(q))
                                  .append("\n");
   for (int m : modalities) {
     const std::int64_t full = r.bytes_full_modality[m], kept = r.bytes_kept_modality[m];
@@ -122,6 +130,7 @@ void write_csv(const std::string& path, const std::vector<PointResult>& points, 
            << set;
       }
     }
+    for (int i = 0; i < kNumProxies; ++i) os << ',' << proxy_name(i);
     os << "\n";
     for (const PointResult& p : points) {
       for (const LayerResult& l : p.layers) {

@@ -270,6 +270,12 @@ void write_records(const Writer& w, hid_t group, const std::string& gname, const
     scalar_f64(("entropy_delta_" + set).c_str(), "entropy change over the " + set + " queries only, nats",
                [i](const HeadResult& r) { return r.quality.query_sets[i].entropy_delta; });
   }
+  // Format 1.3: the fidelity proxies (docs/metrics.md "Proxies"); NaN without answer steps.
+  for (int i = 0; i < kNumProxies; ++i) {
+    scalar_f64(proxy_name(i),
+               std::string("fidelity proxy ") + proxy_name(i) + " (docs/metrics.md \"Proxies\")",
+               [i](const HeadResult& r) { return proxy_value(r.quality.proxies, i); });
+  }
   modal_f64("recall_modality", "attention recall per modality (1 where the modality has no mass)",
             &Quality::recall_modality);
   modal_f64("share_before", "full attention mass per modality", &Quality::share_before);

@@ -2,7 +2,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
 
 #include "kvscope/sim/report.hpp"
 
@@ -121,8 +125,12 @@ std::string flags_cell(const PointResult& p) {
 namespace {
 
 // The header, a rule and one line per point; `decode` adds the end / peak columns.
+struct RankProxy;
+double rank_value(const RankProxy* rank, const Quality& q);
+const char* rank_header(const RankProxy* rank);
+
 std::string table_rows(const std::vector<const PointResult*>& rows, const TableOptions& options, bool audio,
-                       bool decode, bool role_column) {
+                       bool decode, bool role_column, const RankProxy* rank = nullptr) {
   const std::vector<const PointResult*>& points = rows;
 
   std::vector<Column> cols = {{"policy", true, {}},  {"budget", true, {}},   {"saved%", false, {}},
@@ -142,6 +150,9 @@ std::string table_rows(const std::vector<const PointResult*>& rows, const TableO
     cols.push_back({"end", false, {}});
     cols.push_back({"peak", false, {}});
   }
+  // The rank proxy's value (its own column unless it is already shown).
+  const char* rank_col = rank_header(rank);
+  if (rank_col) cols.push_back({rank_col, false, {}});
   cols.push_back({role_column ? "row" : "P", true, {}});
   std::vector<std::string> flags;  // last column, not padded
 
@@ -174,6 +185,10 @@ std::string table_rows(const std::vector<const PointResult*>& rows, const TableO
       cols[c++].cells.push_back(full_end > 0 ? fmt("%.3f", static_cast<double>(p.total.bytes_end) / full_end) : "-");
       cols[c++].cells.push_back(full_end > 0 ? fmt("%.3f", static_cast<double>(p.total.bytes_peak) / full_end) : "-");
     }
+    if (rank_col) {
+      const double v = rank_value(rank, q);
+      cols[c++].cells.push_back(std::isnan(v) ? "-" : fmt("%.3f", v));
+    }
     cols[c++].cells.push_back(role_column ? p.kind : p.pareto ? "*" : "");
     flags.push_back(flags_cell(p));
   }
@@ -205,6 +220,57 @@ std::string table_rows(const std::vector<const PointResult*>& rows, const TableO
 
 }  // namespace
 
+// Updated from docs/validation.md's held-out results (scripts/calibrate --heldout).
+const char* const kDefaultRankProxy = "topk_recall_min";
+
+namespace {
+
+// A point's value of a rank proxy, oriented so that smaller is better (recalls negated); NaN when unknown.
+struct RankProxy {
+  const char* name;
+  bool recall;  // larger is better
+  double (*get)(const Quality&);
+};
+const std::vector<RankProxy>& rank_proxies() {
+  static const std::vector<RankProxy> r = {
+      {"output_error", false, [](const Quality& q) { return q.output_error; }},
+      {"attention_recall", true, [](const Quality& q) { return q.attention_recall; }},
+      {"output_error_answer", false,
+       [](const Quality& q) { return q.query_sets[static_cast<std::size_t>(kAnswerQueries)].output_error; }},
+      {"error_worst_query", false, [](const Quality& q) { return q.proxies.error_worst_query; }},
+      {"error_worst_head", false, [](const Quality& q) { return q.proxies.error_worst_head; }},
+      {"error_retrieval", false, [](const Quality& q) { return q.proxies.error_retrieval; }},
+      {"error_propagated", false, [](const Quality& q) { return q.proxies.error_propagated; }},
+      {"topk_recall", true, [](const Quality& q) { return q.proxies.topk_recall; }},
+      {"topk_recall_min", true, [](const Quality& q) { return q.proxies.topk_recall_min; }},
+      {"topk_recall_retrieval", true, [](const Quality& q) { return q.proxies.topk_recall_retrieval; }},
+  };
+  return r;
+}
+
+const RankProxy* find_rank_proxy(const std::string& name) {
+  for (const RankProxy& r : rank_proxies())
+    if (name == r.name) return &r;
+  return nullptr;
+}
+
+}  // namespace
+
+namespace {
+double rank_value(const RankProxy* rank, const Quality& q) { return rank->get(q); }
+const char* rank_header(const RankProxy* rank) {
+  if (!rank || std::string(rank->name) == "output_error" || std::string(rank->name) == "attention_recall")
+    return nullptr;
+  return rank->name;
+}
+}  // namespace
+
+std::string rank_proxy_names() {
+  std::string out;
+  for (const RankProxy& r : rank_proxies()) out += (out.empty() ? "" : ", ") + std::string(r.name);
+  return out;
+}
+
 std::string format_table(const std::vector<PointResult>& points, const TableOptions& options) {
   bool audio = false;
   for (const PointResult& p : points) audio = audio || p.total.tokens[2] > 0;
@@ -218,7 +284,27 @@ std::string format_table(const std::vector<PointResult>& points, const TableOpti
     decode = decode || (p.kind == "policy" && p.mode == "decode");
   }
   std::ostringstream out;
-  if (!policies.empty() || others.empty()) out << table_rows(policies, options, audio, decode, false);
+  // Rank the policies by the proxy, best first (stable: ties and NaN keep the run order, NaN last).
+  const std::string rank_name = options.rank_by == "default" ? kDefaultRankProxy : options.rank_by;
+  const RankProxy* rank = rank_name == "none" ? nullptr : find_rank_proxy(rank_name);
+  if (rank_name != "none" && !rank) {
+    throw std::invalid_argument("unknown rank proxy '" + rank_name + "' (valid: " + rank_proxy_names() +
+                                ", none)");
+  }
+  if (rank && policies.size() > 1) {
+    auto bad = [&](const PointResult* p) {
+      const double v = rank->get(p->total.quality);
+      return std::isnan(v) ? std::numeric_limits<double>::infinity() : rank->recall ? -v : v;
+    };
+    std::stable_sort(policies.begin(), policies.end(),
+                     [&](const PointResult* a, const PointResult* b) { return bad(a) < bad(b); });
+    out << "ranked by " << rank->name << ", best first"
+        << (options.rank_by == "default" ? " (the proxy that ranks held-out real-model accuracy loss best, "
+                                           "docs/validation.md; --rank-by to change)"
+                                         : "")
+        << "\n";
+  }
+  if (!policies.empty() || others.empty()) out << table_rows(policies, options, audio, decode, false, rank);
   if (!others.empty()) {
     if (!policies.empty()) out << "\n";
     out << "Not policies (they read the trace's own evaluation queries; never on the Pareto front):\n"

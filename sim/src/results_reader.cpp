@@ -274,8 +274,10 @@ struct Records {
   std::vector<std::int64_t> bytes_full_end, bytes_end, bytes_peak;  // format 1.1; empty in a 1.0 file
   // Format 1.2: [set][metric] the query-set metrics (output error, recall, KL, entropy change); empty before.
   std::vector<double> query_sets[kQuerySets][4];
+  std::vector<double> proxies[kNumProxies];  // format 1.3; empty before
 
-  Records(const Reader& r, const std::string& g, std::vector<hsize_t> lead, bool v11, bool v12 = false) {
+  Records(const Reader& r, const std::string& g, std::vector<hsize_t> lead, bool v11, bool v12 = false,
+          bool v13 = false) {
     auto with = [&](hsize_t inner) {
       std::vector<hsize_t> d = lead;
       d.push_back(inner);
@@ -307,6 +309,9 @@ struct Records {
         const char* names[4] = {"output_error_", "attention_recall_", "kl_", "entropy_delta_"};
         for (int m = 0; m < 4; ++m) query_sets[k][m] = r.dataset<double>(g + "/" + names[m] + set, lead);
       }
+    }
+    if (v13) {
+      for (int k = 0; k < kNumProxies; ++k) proxies[k] = r.dataset<double>(g + "/" + proxy_name(k), lead);
     }
   }
 
@@ -344,6 +349,9 @@ struct Records {
       qs =
           QuerySetQuality{query_sets[k][0][i], query_sets[k][1][i], query_sets[k][2][i], query_sets[k][3][i]};
     }
+    for (int k = 0; k < kNumProxies; ++k)  // before 1.3: not recorded
+      proxy_value(h.quality.proxies, k) =
+          proxies[k].empty() ? std::numeric_limits<double>::quiet_NaN() : proxies[k][i];
     if (!bytes_end.empty()) {
       h.bytes_full_end = bytes_full_end[i];
       h.bytes_end = bytes_end[i];
@@ -370,6 +378,8 @@ std::vector<PointResult> read_contents(const Reader& r, ResultsMeta* meta) {
   // 1.2 also added the query-set metrics (output_error_answer, ...) and the role attributes; before 1.2 they
   // read as NaN (not recorded) and has_roles = false.
   const bool v12 = minor >= 2;
+  // 1.3 added the fidelity proxies (error_worst_query, ..., topk_mass); before 1.3 they read as NaN.
+  const bool v13 = minor >= 3;
   auto count = [&](const char* name, std::int64_t max) {
     const std::int64_t v = r.attr_i64(name)[0];
     if (v < 0) r.fail(std::string("/@") + name, "negative");
@@ -416,7 +426,7 @@ std::vector<PointResult> read_contents(const Reader& r, ResultsMeta* meta) {
   const std::vector<double> budget_value = r.dataset<double>("/points/budget_value", {P});
   const std::vector<double> seconds = r.dataset<double>("/points/seconds", {P});
   const std::vector<std::uint8_t> pareto = r.dataset<std::uint8_t>("/points/pareto", {P});
-  const Records pr(r, "/points", {P}, v11, v12);
+  const Records pr(r, "/points", {P}, v11, v12, v13);
   const std::vector<std::string> mode =
       v11 ? r.strings("/points/mode", P) : std::vector<std::string>(P, "prefill");
   std::vector<std::string> kind;
@@ -431,9 +441,9 @@ std::vector<PointResult> read_contents(const Reader& r, ResultsMeta* meta) {
   }
   const std::vector<std::int32_t> layer = r.dataset<std::int32_t>("/layers/layer", {P, L});
   const std::vector<std::int32_t> merged_heads = r.dataset<std::int32_t>("/layers/merged_heads", {P, L});
-  const Records lr(r, "/layers", {P, L}, v11, v12);
+  const Records lr(r, "/layers", {P, L}, v11, v12, v13);
   const std::vector<std::int32_t> kv_head = r.dataset<std::int32_t>("/heads/kv_head", {P, L, H});
-  const Records hr(r, "/heads", {P, L, H}, v11, v12);
+  const Records hr(r, "/heads", {P, L, H}, v11, v12, v13);
   for (hsize_t p = 0; p < P; ++p) {
     PointResult& pt = points[p];
     pt.policy = policy[p];

@@ -359,6 +359,7 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
     if (search)
       for (const PolicySpec* s : search->specs()) policies.push_back(s);
     layer.prepare_and_release(policies);
+    layer.answer_topk();  // read by every point's evaluation (docs/metrics.md "Proxies")
     // Tasks: one point, or the consecutive points of one eviction-only policy at several budgets,
     // evaluated together (budget_batch.hpp).
     const bool batching =
@@ -446,6 +447,7 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
     if (layered.size() > 1) line += " (and " + std::to_string(layered.size() - 1) + " more layers)";
     out.warnings.push_back(line);
   }
+  finish_proxies(out);
   finish_query_sets(out, reader.path());
   check_finite(out, reader.path());
   return out;

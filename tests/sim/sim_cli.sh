@@ -22,10 +22,12 @@ bound=$(grep -c '^oracle-topk .* bound' <<<"$table")
 search=$(grep -c '^alloc-search:tova .* search' <<<"$table")
 [[ $bound -eq 2 && $search -eq 2 ]] || { echo "FAIL expected 2 bound and 2 search rows, got $bound and $search"; fail=1; }
 grep -q '^Not policies' <<<"$table" || { echo "FAIL the bound rows are not in their own table"; fail=1; }
-head -1 "$dir/b.csv" | grep -q ',mode,kind$' || { echo "FAIL csv lacks the kind column"; fail=1; }
-bad=$(awk -F, 'NR > 1 && $NF != "policy" && $19 != 0' "$dir/b.csv" | wc -l)
+head -1 "$dir/b.csv" | grep -q ',mode,kind,error_worst_query,.*,topk_mass$' || { echo "FAIL csv lacks the kind and proxy columns"; fail=1; }
+# kind is column 25 (the proxy columns of results format 1.3 follow it)
+bad=$(awk -F, 'NR > 1 && $25 != "policy" && $19 != 0' "$dir/b.csv" | wc -l)
 [[ $bad -eq 0 ]] || { echo "FAIL $bad bound/search csv rows on the Pareto front"; fail=1; }
-[[ $(grep -c ',bound$' "$dir/b.csv") -gt 0 && $(grep -c ',search$' "$dir/b.csv") -gt 0 ]] || { echo "FAIL csv roles"; fail=1; }
+[[ $(awk -F, '$25 == "bound"' "$dir/b.csv" | wc -l) -gt 0 && $(awk -F, '$25 == "search"' "$dir/b.csv" | wc -l) -gt 0 ]] ||
+  { echo "FAIL csv roles"; fail=1; }
 nobound=$("$kvsim" sweep --trace "$dir/t.h5" --policies h2o --budgets 0.25,0.5 -q --no-bound --alloc-search none 2>/dev/null)
 grep -q 'oracle-topk\|alloc-search' <<<"$nobound" && { echo "FAIL --no-bound --alloc-search none still reports them"; fail=1; }
 # The old flag name still works, with one deprecation line on stderr.

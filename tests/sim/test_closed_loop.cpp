@@ -155,6 +155,55 @@ TEST_F(ClosedLoop, StopsOnEveryEosIdLikeGenerate) {
   EXPECT_EQ(run.tokens, ref.tokens);
 }
 
+// The two task settings (QuestionSetting, kvcap eval --question-in-context), on a tiny-VLM prompt split the
+// way make_task_reference splits a task prompt: the prefill ends before the question's words, which are fed
+// after compression as decode steps.
+TEST_F(ClosedLoop, QuestionAfterCompressionHidesTheQuestionFromThePolicy) {
+  const auto& s = (*samples_)[0];
+  const runner::Prompt whole = model_->build_prompt(scene_images(s), s.question);
+  std::size_t split = 0;  // after the last vision token and its </img>
+  for (std::size_t i = 0; i < whole.tokens.size(); ++i)
+    if (whole.tokens[i].modality == 1) split = i + 2;
+  ASSERT_GT(split, 0u);
+  ASSERT_LT(split, whole.tokens.size());
+  runner::Prompt context = whole;
+  context.tokens.resize(split);
+  context.text.resize(split);
+  std::vector<std::int32_t> question;
+  for (std::size_t i = split; i < whole.tokens.size(); ++i) question.push_back(whole.tokens[i].token_id);
+
+  // Uncompressed, both settings are the same computation: same tokens, logits equal up to float rounding.
+  const closedloop::RunResult in = closedloop::run_sample(*model_, whole, nullptr, 6);
+  const closedloop::RunResult after =
+      closedloop::run_sample(*model_, context, nullptr, 6, nullptr, &question);
+  ASSERT_EQ(after.tokens, in.tokens);
+  for (std::size_t j = 0; j < in.logits.size(); ++j)
+    for (std::size_t v = 0; v < in.logits[j].size(); ++v)
+      ASSERT_NEAR(after.logits[j][v], in.logits[j][v], 1e-3) << "position " << j;
+
+  // Compressed: the policy sees only the context's tokens and queries; the question arrives as decode steps
+  // and the first answer token is chosen from the compressed cache.
+  const closedloop::EvalPoint p = point("snapkv@0.3");
+  closedloop::ClosedLoopHook hin(p.spec, p.budget_spec, model_->config());
+  closedloop::ClosedLoopHook hafter(p.spec, p.budget_spec, model_->config());
+  const closedloop::RunResult cin = closedloop::run_sample(*model_, whole, &hin, 6, &in.tokens);
+  const closedloop::RunResult cafter =
+      closedloop::run_sample(*model_, context, &hafter, 6, &in.tokens, &question);
+  auto context_tokens = [](const closedloop::ClosedLoopHook& h) {
+    std::int64_t n = 0;
+    for (int m = 0; m < 4; ++m) n += h.layer_results()[0].heads[0].tokens[static_cast<std::size_t>(m)];
+    return n;
+  };
+  EXPECT_EQ(context_tokens(hin), static_cast<std::int64_t>(whole.tokens.size()));
+  EXPECT_EQ(context_tokens(hafter), static_cast<std::int64_t>(split));
+  EXPECT_EQ(hin.decode_steps(), static_cast<int>(in.tokens.size()) - 1);
+  EXPECT_EQ(hafter.decode_steps(), static_cast<int>(question.size() + in.tokens.size()) - 1);
+  EXPECT_EQ(std::memcmp(cin.logits[0].data(), in.logits[0].data(), in.logits[0].size() * sizeof(float)), 0)
+      << "question in context: the first token comes from the full prefill";
+  EXPECT_GT(closedloop::next_token_kl(in.logits[0], cafter.logits[0]), 0.0)
+      << "question after compression: the first token sees the compressed cache";
+}
+
 TEST_F(ClosedLoop, HeldBytesEqualPredictedBytes) {
   for (const char* text : {"full", "h2o@0.3", "snapkv@0.5", "look-m@0.4", "int4", "kivi2", "h2o+int8@0.5",
                            "unicache@0.5", "streamingllm@0.25", "hybridkv@0.3", "fastv@0.2", "adaptive"}) {

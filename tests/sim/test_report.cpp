@@ -16,8 +16,8 @@
 
 #include "kvscope/sim/pareto.hpp"
 #include "kvscope/sim/report.hpp"
-#include "sim/sample_results.hpp"
 #include "scratch.hpp"
+#include "sim/sample_results.hpp"
 
 namespace fs = std::filesystem;
 using namespace kvscope;
@@ -137,7 +137,9 @@ TEST(Table, HelpersFormatLayersAndFlagNames) {
 }
 
 TEST(Table, OneRowPerPointWithParetoMarkAndFlags) {
-  const std::string table = sim::format_table(sample_points());
+  sim::TableOptions run_order;
+  run_order.rank_by = "none";
+  const std::string table = sim::format_table(sample_points(), run_order);
   const std::vector<std::string> lines = lines_of(table);
   ASSERT_GE(lines.size(), 6u);
   EXPECT_NE(lines[0].find("policy"), std::string::npos);
@@ -163,12 +165,40 @@ TEST(Table, AudioColumnAndWidthLimit) {
   o.show_audio = true;
   o.max_width = 110;
   o.legend = false;
+  o.rank_by = "none";
   const std::vector<std::string> lines = lines_of(sim::format_table(sample_points(), o));
   ASSERT_EQ(lines.size(), 6u);  // header, rule, 4 rows
   EXPECT_NE(lines[0].find("R_audio"), std::string::npos);
   for (const std::string& l : lines) EXPECT_LE(l.size(), 110u) << l;
   EXPECT_EQ(lines[4].substr(lines[4].size() - 3), "...") << "flags cut at the width limit: " << lines[4];
   EXPECT_NE(lines[2].find("blind(L1-L2)"), std::string::npos) << "short rows are not cut: " << lines[2];
+}
+
+TEST(Table, RanksThePoliciesByTheBestProxyAndSaysWhich) {
+  std::vector<sim::PointResult> points = sample_points();
+  const double recall[] = {0.2, 0.9, 0.5, 0.7};  // h2o 0.3, h2o 0.6, random 0.3, random 0.6
+  int rank = -1;                                 // the default rank proxy's index in Proxies
+  for (int k = 0; k < sim::kNumProxies; ++k)
+    if (std::string(sim::proxy_name(k)) == sim::kDefaultRankProxy) rank = k;
+  ASSERT_GE(rank, 0) << "the default rank proxy is a recall of Proxies";
+  for (std::size_t i = 0; i < points.size() && i < 4; ++i)
+    sim::proxy_value(points[i].total.quality.proxies, rank) = recall[i];
+  const std::vector<std::string> lines = lines_of(sim::format_table(points));
+  ASSERT_GE(lines.size(), 6u);
+  EXPECT_EQ(lines[0].rfind(std::string("ranked by ") + sim::kDefaultRankProxy + ", best first", 0), 0u)
+      << lines[0];
+  EXPECT_NE(lines[1].find(sim::kDefaultRankProxy), std::string::npos) << "its column: " << lines[1];
+  const char* want_start[] = {"h2o     0.6", "random  0.6", "random  0.3", "h2o     0.3"};
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(lines[3 + r].rfind(want_start[r], 0), 0u) << lines[3 + r];
+  // An error proxy ranks smaller first; an unknown name is refused.
+  sim::TableOptions o;
+  o.rank_by = "error_worst_head";
+  for (std::size_t i = 0; i < points.size() && i < 4; ++i)
+    points[i].total.quality.proxies.error_worst_head = recall[i];
+  const std::vector<std::string> by_err = lines_of(sim::format_table(points, o));
+  EXPECT_EQ(by_err[3].rfind("h2o     0.3", 0), 0u) << by_err[3];
+  o.rank_by = "nope";
+  EXPECT_THROW(sim::format_table(points, o), std::invalid_argument);
 }
 
 // ------------------------------------------------------------------------- CSV
@@ -184,10 +214,12 @@ TEST(Csv, RowsColumnsAndValues) {
   for (std::string l; std::getline(is, l);) lines.push_back(l);
   // points x (layers + all) x (text, vision, all) + header
   ASSERT_EQ(lines.size(), 1u + 4u * (3u + 1u) * (2u + 1u));
-  EXPECT_EQ(lines[0],
-            "policy,budget,layer,modality,bytes_full,bytes_kept,bytes_ratio,output_error,attention_recall,kl,"
-            "entropy_delta,flags,tokens,kept,merged,evicted,share_before,share_after,pareto,budget_value,"
-            "bytes_full_end,bytes_end,bytes_peak,mode,kind");
+  EXPECT_EQ(
+      lines[0],
+      "policy,budget,layer,modality,bytes_full,bytes_kept,bytes_ratio,output_error,attention_recall,kl,"
+      "entropy_delta,flags,tokens,kept,merged,evicted,share_before,share_after,pareto,budget_value,"
+      "bytes_full_end,bytes_end,bytes_peak,mode,kind,error_worst_query,error_worst_head,error_retrieval,"
+      "concentration,error_propagated,topk_recall,topk_recall_min,topk_recall_retrieval,topk_mass");
   const std::vector<std::string> header = split(lines[0]);
   auto col = [&](const std::string& name) {
     return static_cast<std::size_t>(std::find(header.begin(), header.end(), name) - header.begin());
@@ -316,7 +348,7 @@ TEST(Hdf5, RoundTripWithTheCApi) {
   H5 f{H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose};
   ASSERT_GE(f.id, 0);
   EXPECT_EQ(read_attr_string(f.id, "format"), "kvscope-results");
-  EXPECT_EQ(read_attr_string(f.id, "version"), "1.2");
+  EXPECT_EQ(read_attr_string(f.id, "version"), "1.3");
   EXPECT_EQ(read_attr_string(f.id, "model_name"), "tiny");
   EXPECT_EQ(read_attr_string(f.id, "created"), "2024-01-02T03:04:05Z");
   EXPECT_EQ(read_attr_string(f.id, "command_line"), sample_meta().command_line);

@@ -307,6 +307,33 @@ TEST(ResultsReader, ReadsFormat11FilesWithoutTheQuerySets) {
                "/layers/kl_answer", "missing dataset");
 }
 
+TEST(ResultsReader, ReadsTheProxiesOfFormat13AndNaNBefore) {
+  const std::string path = temp_path("v13.h5");
+  std::vector<PointResult> written = testing::sample_points();
+  written[1].layers[0].heads[1].quality.proxies.topk_recall = 0.625;
+  written[2].total.quality.proxies.error_worst_query = 1.5;
+  write_hdf5(path, written, testing::sample_meta());
+  {
+    const std::vector<PointResult> got = read_results_hdf5(path);
+    EXPECT_EQ(got[1].layers[0].heads[1].quality.proxies.topk_recall, 0.625);
+    EXPECT_EQ(got[2].total.quality.proxies.error_worst_query, 1.5);
+  }
+  const hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+  ASSERT_GE(f, 0);
+  for (const char* g : {"/points", "/layers", "/heads"})
+    for (int i = 0; i < kNumProxies; ++i)
+      EXPECT_GE(H5Ldelete(f, (std::string(g) + "/" + proxy_name(i)).c_str(), H5P_DEFAULT), 0);
+  set_root_string(f, "version", "1.2");
+  H5Fclose(f);
+  const std::vector<PointResult> got = read_results_hdf5(path);
+  ASSERT_EQ(got.size(), written.size());
+  EXPECT_TRUE(std::isnan(got[1].layers[0].heads[1].quality.proxies.topk_recall));
+  EXPECT_TRUE(std::isnan(got[2].total.quality.proxies.error_worst_query));
+  EXPECT_EQ(got[2].layers[1].heads[1].quality.kl, written[2].layers[1].heads[1].quality.kl);
+  expect_error(broken_file("no-topk.h5", [](hid_t h) { H5Ldelete(h, "/heads/topk_recall", H5P_DEFAULT); }),
+               "/heads/topk_recall", "missing dataset");
+}
+
 TEST(ResultsReader, Format11RequiresTheDecodeFields) {
   expect_error(broken_file("no-peak.h5", [](hid_t f) { H5Ldelete(f, "/heads/bytes_peak", H5P_DEFAULT); }),
                "/heads/bytes_peak", "missing dataset");

@@ -52,7 +52,11 @@ po::options_description make_options() {
       "Decode-time policies (NAME~decode[:N]) evict during decoding with kvsim's decode-time rule.\n"
       "Method: docs/results-format.md, section \"Closed-loop results (kvcap eval)\".\n"
       "Text models (LlamaForCausalLM folders): --task NAME runs N long-context task prompts (docs/tasks.md)\n"
-      "instead of heldout.json, the answer prefix pre-filled, scored by exact match of the answer.\n"
+      "instead of heldout.json, the answer prefix pre-filled, scored by exact match of the answer. By\n"
+      "default the question arrives after compression: the context (system prompt, intro, haystack) is\n"
+      "prefilled and compressed, then the question, the end of the user turn and the answer prefix are fed\n"
+      "one decode step each (what kvcap run --task records and kvsim replays by default) and the answer is\n"
+      "generated; --question-in-context prefills and compresses the whole prompt instead.\n"
       "Each sample's uncompressed prefill runs once and every point continues from a copy of it.\n\nOptions");
   opts.add_options()("help,h", "show this help")(
       "model", po::value<std::string>(),
@@ -68,6 +72,12 @@ po::options_description make_options() {
       "with --task: tokens of the user message (512 .. 4096)")(
       "haystack", po::value<std::vector<std::string>>(),
       "with --task: prose files or directories (repeatable; default /usr/share/common-licenses)")(
+      "first", po::value<int>()->default_value(0),
+      "with --task: index of the first sample (samples FIRST .. FIRST+N-1; sample i depends only on task, "
+      "length, seed and i)")(
+      "question-in-context",
+      "with --task: prefill the whole prompt (question included) and compress it, as kvsim "
+      "--question-in-context replays; default: compress the context, then feed the question")(
       "seed", po::value<unsigned long long>()->default_value(0),
       "0: samples 0..N-1 of heldout.json; else a random N-subset drawn with this seed; with --task the "
       "task generator's seed")("max-new", po::value<int>()->default_value(10),
@@ -127,6 +137,14 @@ int eval_command(const std::vector<std::string>& args) {
   }
 
   const bool text_task = vm.count("task") > 0;
+  const int first = vm["first"].as<int>();
+  if (first < 0 || first > 99999) return fail("--first must be in 0..99999");
+  if (!text_task && !vm["first"].defaulted()) return fail("--first needs --task");
+  if (!text_task && vm.count("question-in-context"))
+    return fail("--question-in-context needs --task (the tiny VLM prefills its whole prompt)");
+  const closedloop::QuestionSetting setting = vm.count("question-in-context")
+                                                  ? closedloop::QuestionSetting::kInContext
+                                                  : closedloop::QuestionSetting::kAfterCompression;
   const int length = vm["length"].as<int>();
   std::vector<closedloop::HeldoutSample> samples;
   closedloop::Haystack haystack;
@@ -180,10 +198,11 @@ int eval_command(const std::vector<std::string>& args) {
       tokenizer = runner::load_tokenizer(model_dir);
       const runner::ChatTemplate chat = runner::ChatTemplate::load(model_dir);
       const closedloop::TokenCounter count = closedloop::token_counter(*tokenizer);
-      const std::vector<closedloop::TaskSample> task_samples =
-          closedloop::make_task_samples(vm["task"].as<std::string>(), length, n, seed, haystack, count);
+      std::vector<closedloop::TaskSample> task_samples = closedloop::make_task_samples(
+          vm["task"].as<std::string>(), length, first + n, seed, haystack, count);
+      task_samples.erase(task_samples.begin(), task_samples.begin() + first);
       for (const auto& ts : task_samples) {
-        task_refs.push_back(closedloop::make_task_reference(model, *tokenizer, chat, ts));
+        task_refs.push_back(closedloop::make_task_reference(model, *tokenizer, chat, ts, setting));
         closedloop::HeldoutSample h;  // for the answers CSV
         h.index = ts.index;
         h.family = closedloop::family_index("text-only");
@@ -211,6 +230,7 @@ int eval_command(const std::vector<std::string>& args) {
     if (text_task) {
       info.task = vm["task"].as<std::string>();
       info.length = length;
+      info.question_in_context = setting == closedloop::QuestionSetting::kInContext;
     }
     std::vector<closedloop::PointStats> stats;
     const auto t0 = std::chrono::steady_clock::now();
@@ -240,6 +260,12 @@ int eval_command(const std::vector<std::string>& args) {
               << format_seconds(info.reference_seconds) << "; all runs " << format_seconds(total_seconds)
               << (vm.count("per-point-prefill") ? " (a prefill per run)" : " (one prefill per sample)")
               << "\n";
+    if (text_task) {
+      std::cout << (setting == closedloop::QuestionSetting::kInContext
+                        ? "setting: question in the compressed context (the whole prompt prefilled)\n"
+                        : "setting: question after compression (the context prefilled and compressed, the "
+                          "question fed as decode steps)\n");
+    }
     if (vm.count("csv")) closedloop::write_csv(vm["csv"].as<std::string>(), stats);
     if (vm.count("answers")) closedloop::write_answers(vm["answers"].as<std::string>(), samples, stats);
     if (vm.count("output")) closedloop::write_hdf5(vm["output"].as<std::string>(), info, stats);

@@ -118,7 +118,11 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
       "and the template tokens around it) into the compressed context, so T grows by their number and the "
       "answer steps are the evaluation queries (default: the question arrives after compression, as decode "
       "steps kept exact in prefill mode; docs/metrics.md \"Query sets\")")(
-      "layers", "also print the per-layer table of each point")(
+      "rank-by", po::value<std::string>()->default_value("default"),
+      (std::string("rank the table's policy rows by this proxy, best first (default: ") + kDefaultRankProxy +
+       ", the best on held-out real-model data, docs/validation.md; none = run order; one of " +
+       rank_proxy_names() + "; docs/metrics.md \"Proxies\")")
+          .c_str())("layers", "also print the per-layer table of each point")(
       "explain", "print the evidence and suggested fix of every collapse flag (default: Pareto points only)")(
       "blind-recall", po::value<double>()->default_value(0.5, "0.5"),
       "visual blindness: vision recall threshold")("kl-threshold",
@@ -129,6 +133,13 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
   const std::string name = "kvsim " + command;
   if (const auto exit = cli::parse_options(name, args, opts, vm, "\n" + policy_help(registry))) return *exit;
   if (!vm.count("trace")) return cli::missing(name, "--trace FILE");
+  if (const std::string r = vm["rank-by"].as<std::string>();
+      r != "default" && r != "none" &&
+      (", " + rank_proxy_names() + ",").find(", " + r + ",") == std::string::npos) {
+    std::cerr << name << ": --rank-by '" << r << "' is not a proxy (valid: " << rank_proxy_names()
+              << ", none)\n";
+    return 2;
+  }
   if (!sweep && !vm.count("policy")) {
     std::cerr << name << ": missing --policy NAME[@BUDGET] (see " << name << " --help)\n";
     return 2;
@@ -248,6 +259,7 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
     std::cout << "\n\n";
     TableOptions table;
     table.query_sets = out.has_roles;
+    table.rank_by = vm["rank-by"].as<std::string>();
     std::cout << format_table(out.points, table);
     for (const auto& pt : out.points) {
       if (!vm.count("explain") && !pt.pareto && out.points.size() > 1) continue;

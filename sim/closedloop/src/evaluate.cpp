@@ -52,15 +52,71 @@ std::vector<HeldoutSample> load_heldout(const std::string& model_dir) {
 
 namespace {
 
-// The decode loop after prefill (shared by run_sample and run_from_prefill): greedy or forced.
+// The decode loop after prefill (shared by run_sample and run_from_prefill): first the tokens fed after the
+// prefill (`after`, may be null), one decode step each, then greedy or forced generation.
 void decode_loop(runner::Model& model, const runner::Prompt& prompt, runner::KvCache& cache,
                  std::vector<float>& logits, ClosedLoopHook* hook, int max_new,
-                 const std::vector<std::int32_t>* forced, RunResult& r) {
+                 const std::vector<std::int32_t>* forced, const std::vector<std::int32_t>* after,
+                 RunResult& r) {
   const auto& cfg = model.config();
   const int d = cfg.hidden_size;
   const int n_images = static_cast<int>(prompt.images.size());
   const int limit = forced ? static_cast<int>(forced->size()) : max_new;
   int step = 0;
+  auto feed = [&](std::int32_t id) {
+    runner::TokenInfo tok;
+    tok.token_id = id;
+    tok.position = tok.index = prompt.size() + step;
+    tok.modality = 0;
+    tok.segment = n_images;
+    runner::ForwardRequest req;
+    req.x = model.weights().embed_tokens.data() + static_cast<std::size_t>(id) * d;
+    req.tokens = &tok;
+    req.num_tokens = 1;
+    req.decode_step = step;
+    model.backend().forward(req, cache, hook, logits);
+    if (hook) hook->after_decode_step(cache, step, tok);
+    ++step;
+  };
+  if (after) {
+    if (prompt.size() + static_cast<int>(after->size()) > cfg.max_position_embeddings) {
+      throw EvalError("the prompt (" + std::to_string(prompt.size()) + " + " + std::to_string(after->size()) +
+                      " tokens) is longer than the model's " + std::to_string(cfg.max_position_embeddings) +
+                      " positions");
+    }
+    for (const std::int32_t id : *after) {
+      if (id < 0 || id >= cfg.vocab_size)
+        throw EvalError("token id " + std::to_string(id) +
+                        " fed after the prefill is outside the vocabulary");
+    }
+    if (hook && hook->evicts_during_decode()) {
+      for (const std::int32_t id : *after) feed(id);
+    } else if (!after->empty()) {
+      // The cache only grows: one causal forward of all the tokens is the same computation as feeding them
+      // one at a time (up to float rounding), with the weights read once.
+      const int n = static_cast<int>(after->size());
+      std::vector<runner::TokenInfo> toks(static_cast<std::size_t>(n));
+      std::vector<float> x(static_cast<std::size_t>(n) * static_cast<std::size_t>(d));
+      for (int i = 0; i < n; ++i) {
+        runner::TokenInfo& tok = toks[static_cast<std::size_t>(i)];
+        tok.token_id = (*after)[static_cast<std::size_t>(i)];
+        tok.position = tok.index = prompt.size() + i;
+        tok.modality = 0;
+        tok.segment = n_images;
+        std::copy_n(model.weights().embed_tokens.data() + static_cast<std::size_t>(tok.token_id) * d, d,
+                    x.data() + static_cast<std::size_t>(i) * d);
+      }
+      runner::ForwardRequest req;
+      req.x = x.data();
+      req.tokens = toks.data();
+      req.num_tokens = n;
+      req.decode_step = 0;
+      model.backend().forward(req, cache, hook, logits);
+      if (hook)
+        for (int i = 0; i < n; ++i) hook->after_decode_step(cache, i, toks[static_cast<std::size_t>(i)]);
+      step = n;
+    }
+  }
   while (static_cast<int>(r.tokens.size()) < limit) {
     const int next = forced
                          ? (*forced)[r.tokens.size()]
@@ -68,20 +124,8 @@ void decode_loop(runner::Model& model, const runner::Prompt& prompt, runner::KvC
     r.logits.push_back(logits);
     r.tokens.push_back(next);
     if (cfg.is_eos(next) || static_cast<int>(r.tokens.size()) == limit) break;
-    runner::TokenInfo tok;
-    tok.token_id = next;
-    tok.position = tok.index = prompt.size() + step;
-    tok.modality = 0;
-    tok.segment = n_images;
-    if (tok.position >= cfg.max_position_embeddings) break;
-    runner::ForwardRequest req;
-    req.x = model.weights().embed_tokens.data() + static_cast<std::size_t>(next) * d;
-    req.tokens = &tok;
-    req.num_tokens = 1;
-    req.decode_step = step;
-    model.backend().forward(req, cache, hook, logits);
-    if (hook) hook->after_decode_step(cache, step, tok);
-    ++step;
+    if (prompt.size() + step >= cfg.max_position_embeddings) break;
+    feed(next);
   }
   if (hook) r.held_bytes = hook->held_bytes(cache);
 }
@@ -109,7 +153,8 @@ class QueryRecorder : public runner::RunObserver {
 }  // namespace
 
 RunResult run_sample(runner::Model& model, const runner::Prompt& prompt, ClosedLoopHook* hook, int max_new,
-                     const std::vector<std::int32_t>* forced) {
+                     const std::vector<std::int32_t>* forced,
+                     const std::vector<std::int32_t>* after_prefill) {
   const auto t0 = std::chrono::steady_clock::now();
   const auto& cfg = model.config();
   RunResult r;
@@ -124,7 +169,7 @@ RunResult run_sample(runner::Model& model, const runner::Prompt& prompt, ClosedL
     model.backend().forward(req, cache, hook, logits);
   }
   if (hook) hook->after_prefill(cache, prompt.tokens);
-  decode_loop(model, prompt, cache, logits, hook, max_new, forced, r);
+  decode_loop(model, prompt, cache, logits, hook, max_new, forced, after_prefill, r);
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return r;
 }
@@ -147,7 +192,8 @@ Prefill run_prefill(runner::Model& model, const runner::Prompt& prompt) {
 }
 
 RunResult run_from_prefill(runner::Model& model, const runner::Prompt& prompt, const Prefill& prefill,
-                           ClosedLoopHook* hook, int max_new, const std::vector<std::int32_t>* forced) {
+                           ClosedLoopHook* hook, int max_new, const std::vector<std::int32_t>* forced,
+                           const std::vector<std::int32_t>* after_prefill) {
   const auto t0 = std::chrono::steady_clock::now();
   const auto& cfg = model.config();
   RunResult r;
@@ -168,7 +214,7 @@ RunResult run_from_prefill(runner::Model& model, const runner::Prompt& prompt, c
     }
     hook->after_prefill(cache, prompt.tokens);
   }
-  decode_loop(model, prompt, cache, logits, hook, max_new, forced, r);
+  decode_loop(model, prompt, cache, logits, hook, max_new, forced, after_prefill, r);
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return r;
 }
@@ -258,9 +304,23 @@ TokenCounter token_counter(const runner::Tokenizer& tokenizer) {
 }
 
 Reference make_task_reference(runner::Model& model, const runner::Tokenizer& tokenizer,
-                              const runner::ChatTemplate& chat, const TaskSample& sample) {
+                              const runner::ChatTemplate& chat, const TaskSample& sample,
+                              QuestionSetting setting) {
   Reference r;
-  r.prompt = model.build_prompt_from_ids(tokenizer.encode(task_prompt_text(chat, sample)));
+  std::vector<std::int32_t> ids = tokenizer.encode(task_prompt_text(chat, sample));
+  if (setting == QuestionSetting::kAfterCompression) {
+    const std::vector<std::uint8_t> roles = task_token_roles(tokenizer, ids, chat, sample);
+    const auto split = static_cast<std::size_t>(
+        std::find(roles.begin(), roles.end(), static_cast<std::uint8_t>(trace::Role::kQuestion)) -
+        roles.begin());
+    if (split == 0 || split == ids.size()) {
+      throw TaskError("task " + sample.task + " sample " + std::to_string(sample.index) +
+                      ": the prompt has no context or no question");
+    }
+    r.after_prefill.assign(ids.begin() + static_cast<std::ptrdiff_t>(split), ids.end());
+    ids.resize(split);
+  }
+  r.prompt = model.build_prompt_from_ids(ids);
   r.answer_ids = tokenizer.encode(" " + sample.answer);
   r.answer_ids.push_back(model.config().eos_token_id);
   r.answer_text = sample.answer;
@@ -317,16 +377,19 @@ void add_sample(runner::Model& model, const Reference& ref, const ClosedLoopHook
     ++sums.total_hits;
   }
   // KL at the reference's positions 1 .. n-1 (position 0 is chosen from the full prefill in both runs).
+  // With the question fed after compression (ref.after_prefill), position 0 too is chosen from the
+  // compressed cache and counts.
   const std::vector<std::int32_t>& rt = ref.run.tokens;
   const bool same = run.tokens == rt;
   sums.agree += same ? 1 : 0;
-  if (rt.size() > 1) {
+  const std::size_t first = ref.after_prefill.empty() ? 1 : 0;
+  if (rt.size() > first) {
     RunResult forced;
     if (!same) forced = forced_run();
     const RunResult& cmp = same ? run : forced;
     double kl = 0;
-    for (std::size_t j = 1; j < rt.size(); ++j) kl += next_token_kl(ref.run.logits[j], cmp.logits[j]);
-    sums.kl_sum += kl / static_cast<double>(rt.size() - 1);
+    for (std::size_t j = first; j < rt.size(); ++j) kl += next_token_kl(ref.run.logits[j], cmp.logits[j]);
+    sums.kl_sum += kl / static_cast<double>(rt.size() - first);
   }
 }
 
@@ -359,12 +422,12 @@ PointStats evaluate_point(runner::Model& model, const EvalPoint& point, const st
   for (std::size_t i = 0; i < refs.size(); ++i) {
     const Reference& ref = refs[i];
     ClosedLoopHook hook(point.spec, point.budget_spec, cfg);
-    const RunResult run = run_sample(model, ref.prompt, &hook, max_new);
+    const RunResult run = run_sample(model, ref.prompt, &hook, max_new, nullptr, &ref.after_prefill);
     add_sample(
         model, ref, hook, run,
         [&] {
           ClosedLoopHook fhook(point.spec, point.budget_spec, cfg);
-          return run_sample(model, ref.prompt, &fhook, max_new, &ref.run.tokens);
+          return run_sample(model, ref.prompt, &fhook, max_new, &ref.run.tokens, &ref.after_prefill);
         },
         st, sums);
     if (progress) progress(static_cast<int>(i) + 1);
@@ -384,19 +447,21 @@ std::vector<PointStats> evaluate_shared(runner::Model& model, const std::vector<
   std::size_t done = 0;
   for (Reference& ref : refs) {
     const Prefill prefill = run_prefill(model, ref.prompt);
-    ref.run = run_from_prefill(model, ref.prompt, prefill, nullptr, max_new);
+    ref.run = run_from_prefill(model, ref.prompt, prefill, nullptr, max_new, nullptr, &ref.after_prefill);
     ref.run.seconds += prefill.seconds;
     if (progress) progress(++done);
     for (std::size_t k = 0; k < points.size(); ++k) {
       const EvalPoint& point = points[k];
       const auto t0 = std::chrono::steady_clock::now();
       ClosedLoopHook hook(point.spec, point.budget_spec, cfg);
-      const RunResult run = run_from_prefill(model, ref.prompt, prefill, &hook, max_new);
+      const RunResult run =
+          run_from_prefill(model, ref.prompt, prefill, &hook, max_new, nullptr, &ref.after_prefill);
       add_sample(
           model, ref, hook, run,
           [&] {
             ClosedLoopHook fhook(point.spec, point.budget_spec, cfg);
-            return run_from_prefill(model, ref.prompt, prefill, &fhook, max_new, &ref.run.tokens);
+            return run_from_prefill(model, ref.prompt, prefill, &fhook, max_new, &ref.run.tokens,
+                                    &ref.after_prefill);
           },
           stats[k], sums[k]);
       stats[k].seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -140,6 +140,7 @@ void write_hdf5(const std::string& path, const EvalRunInfo& info, const std::vec
   if (!info.task.empty()) {
     string_attr("task", info.task);
     int_attr("length", info.length);
+    int_attr("question_in_context", info.question_in_context ? 1 : 0);
   }
   auto strings = [&](const char* name, const std::function<const std::string&(const PointStats&)>& get) {
     std::vector<const char*> v;

@@ -129,6 +129,16 @@ class LayerData {
   // p_{j,s}(t), p_{j,s} = full_step(h, s).probs of row j (softmax over tokens 0 .. T + s). [Hkv, T]
   // float (summed in double). Information no real policy has: it reads the evaluation queries.
   const std::vector<float>& decode_attention_mass();
+  // The answer's top-k context tokens of each kv head (docs/metrics.md "Proxies"): with
+  // A(t) = sum over the answer set's steps s and the G query heads j of p_{j,s}(t) (full attention, t < T),
+  // the min(kTopK, T) tokens of largest A (ties -> lower index), ascending; and their share of the answer
+  // rows' attention, sum_{t in top-k} A(t) / (G * |answer steps|) (0 without answer steps). Computed once
+  // per layer; call it outside parallel regions first (the engines do, after prepare_steps()).
+  struct AnswerTopK {
+    std::vector<std::vector<std::int32_t>> tokens;  // [Hkv][k]
+    std::vector<double> mass;                       // [Hkv]
+  };
+  const AnswerTopK& answer_topk();
 
   // Kv heads merged at a similarity threshold (kernels::cpu::merge_heads on the prefill K/V),
   // computed once per layer and threshold and shared by every point that merges heads.
@@ -171,6 +181,8 @@ class LayerData {
   void compute_full_steps();
   std::vector<float> kall_, vall_, qsteps_, knorm_all_;
   std::vector<float> decode_mass_;  // [Hkv, T] decode_attention_mass()
+  AnswerTopK answer_topk_;
+  bool have_answer_topk_ = false;
   std::vector<float> step_probs_, step_output_, step_entropy_, step_mass_;  // ragged by step
   std::vector<std::size_t> step_probs_offset_;                            // [S] start of step s in step_probs_
   std::vector<double> step_mass_f64_;                                     // [S, Hq, 4]

@@ -79,6 +79,7 @@ struct PolicySpec {
   int recent = 0;                // last tokens always kept (absolute)
   float recent_fraction = 0.0f;  // share of the budget given to the most recent tokens (H2O: 0.5)
   bool shared_heads = false;     // one kept set for all kv heads of a layer
+  bool floor_keep = false;       // keep_rounding = kvpress: k = int(T * (1 - (1 - keep))) instead of lround
   // The quantizer stage's (key, value) specs; both empty: no quantization. reset() both to run a
   // policy without its quantizer.
   std::optional<kernels::QuantSpec> key_quant, value_quant;

@@ -64,7 +64,16 @@ struct TableOptions {
   bool legend = true;              // explanation lines under the table
   // Query-set columns (error and recall on the answer's and the question's queries): traces with roles.
   bool query_sets = false;
+  // The policy rows are ranked by this proxy (a Proxies column name, or output_error, output_error_answer),
+  // best first, and the table says which it is; "default" = kDefaultRankProxy, "none" = run order.
+  std::string rank_by = "default";
 };
+
+// The proxy the table ranks by default: the best on held-out real-model data (docs/validation.md,
+// "Held-out validation of the proxies").
+extern const char* const kDefaultRankProxy;
+// The names rank_by accepts, comma-separated (for --help and errors).
+std::string rank_proxy_names();
 
 // One row per point, in the given order: policy, budget, memory saved (%), bytes ratio,
 // output error, attention recall, recall per modality, KL, entropy change, Pareto mark (*),
@@ -75,11 +84,11 @@ std::string format_table(const std::vector<PointResult>& points, const TableOpti
 // Written to path + ".partial" and renamed; throws ReportError (leaving no file) on failure.
 void write_csv(const std::string& path, const std::vector<PointResult>& points, const ResultsMeta& meta);
 
-// HDF5 results file (format "kvscope-results", version 1.2), written to path + ".partial" and
+// HDF5 results file (format "kvscope-results", version 1.3), written to path + ".partial" and
 // renamed when complete; throws ReportError (leaving no file) on failure.
 void write_hdf5(const std::string& path, const std::vector<PointResult>& points, const ResultsMeta& meta);
 
 inline constexpr const char* kResultsFormat = "kvscope-results";
-inline constexpr const char* kResultsVersion = "1.2";
+inline constexpr const char* kResultsVersion = "1.3";
 
 }  // namespace kvscope::sim

@@ -48,6 +48,29 @@ struct QuerySetQuality {
   double entropy_delta = 0;
 };
 
+// Fidelity proxies beyond the means (results format 1.3; docs/metrics.md "Proxies"). All are measured on the
+// answer's queries (the answer query set; every decode step of a trace without roles). Each has its own
+// aggregation over heads and layers, applied by finish_proxies() once a point's layers are measured; the
+// evaluation only fills the per-head values (and the sums behind the weighted ones).
+constexpr int kTopK = 8;  // tokens of the answer's top-k set per kv head
+struct Proxies {
+  double error_worst_query = 0;  // max over answer rows; layer: max over heads; point: mean over layers
+  double error_worst_head = 0;   // head: its answer error; layer: max over heads; point: mean over layers
+  double error_retrieval = 0;    // answer error weighted by the rows' attention concentration
+  double concentration = 0;      // mean concentration 1 - H(p) / ln(n) of the answer rows (the weight)
+  double error_propagated = 0;   // layer l: 1 - prod_{l' <= l} (1 - min(err_answer, 1)); point: last layer
+  double topk_recall = 0;        // share of the answer's top-k context tokens that survive
+  double topk_recall_min = 0;    // head: = topk_recall; layer: min over heads; point: mean over layers
+  double topk_recall_retrieval = 0;  // topk_recall weighted by topk_mass
+  double topk_mass = 0;              // share of the answer rows' full attention on their top-k tokens
+};
+
+// The proxies' names (CSV columns, HDF5 datasets) in Proxies' member order, and their values in that order.
+constexpr int kNumProxies = 9;
+const char* proxy_name(int i);
+double& proxy_value(Proxies& p, int i);
+inline double proxy_value(const Proxies& p, int i) { return proxy_value(const_cast<Proxies&>(p), i); }
+
 // Quality on the evaluation queries, averaged over queries (and heads / layers when aggregated).
 struct Quality {
   double output_error = 0;     // ||o~ - o|| / ||o||
@@ -58,6 +81,7 @@ struct Quality {
   PerModality share_before{};      // sum_{t in m} p(t)
   PerModality share_after{};       // sum_{s in m} p~(s)
   std::array<QuerySetQuality, kQuerySets> query_sets{};  // the same on the answer's / question's queries
+  Proxies proxies;
 };
 
 // One kv head of one layer.

@@ -100,6 +100,12 @@ struct SweepOutput {
 // throws std::runtime_error (one line naming `source`) when a non-empty set's metric is not finite.
 void finish_query_sets(SweepOutput& out, const std::string& source);
 
+// Aggregates the fidelity proxies (Quality::proxies; docs/metrics.md "Proxies") of every point from its
+// heads' values: finishes each head's weighted means, then sets every layer total and the point total by
+// the proxy's own rule (max, min, pooled weighted mean, mean over layers, compounding over layers). NaN
+// everywhere when the answer set has no step. Called once per sweep, after the layer totals are summed.
+void finish_proxies(SweepOutput& out);
+
 // Throws std::runtime_error with one line naming the file unless the trace can be replayed: it
 // needs at least one decode step (S >= 1: the decode queries are the evaluation queries; T >= 1 is
 // a rule of the format that the reader enforces). `who` names the caller in the message ("kvsim run").

@@ -39,7 +39,10 @@ std::vector<HeldoutSample> load_heldout(const std::string& model_dir);
 
 // One run: greedy generation (forced == nullptr) or teacher forcing on `forced` (the logits at each of its
 // positions; the token fed after position i is forced[i]). `hook` (may be null: uncompressed) is used as
-// cache hook and observer. Same loop and stopping rule as runner::Model::generate.
+// cache hook and observer. Same loop and stopping rule as runner::Model::generate. `after_prefill` (may be
+// null): tokens fed after the prefill (and after the hook compressed it) and before generation, one decode
+// step each (decode steps 0 .. n-1; the hook sees them as decode tokens), e.g. a question arriving after the
+// context was compressed; generation starts from the last one's logits.
 struct RunResult {
   std::vector<std::int32_t> tokens;        // generated (or forced) ids, ending with <eos> when produced
   std::vector<std::vector<float>> logits;  // [tokens.size()][V]: the logits each token was chosen from
@@ -47,7 +50,8 @@ struct RunResult {
   std::int64_t held_bytes = 0;  // hook->held_bytes() of the final cache (0 without a hook)
 };
 RunResult run_sample(runner::Model& model, const runner::Prompt& prompt, ClosedLoopHook* hook, int max_new,
-                     const std::vector<std::int32_t>* forced = nullptr);
+                     const std::vector<std::int32_t>* forced = nullptr,
+                     const std::vector<std::int32_t>* after_prefill = nullptr);
 
 // The uncompressed prefill of one prompt, kept to continue several runs from (sample-outer evaluation): the
 // cache, the logits of the last prompt position and each layer's prefill queries (what ClosedLoopHook
@@ -59,12 +63,14 @@ struct Prefill {
   double seconds = 0;
 };
 Prefill run_prefill(runner::Model& model, const runner::Prompt& prompt);
-// Same as run_sample(model, prompt, hook, max_new, forced), continuing from a copy of `prefill`'s cache: the
+// Same as run_sample(model, prompt, hook, max_new, forced, after_prefill), continuing from a copy of
+// `prefill`'s cache: the
 // recorded queries are replayed into `hook` (on_prefill_layer with empty k and v) before after_prefill.
 // Results are identical to run_sample's (tested); `seconds` counts the continuation only.
 RunResult run_from_prefill(runner::Model& model, const runner::Prompt& prompt, const Prefill& prefill,
                            ClosedLoopHook* hook, int max_new,
-                           const std::vector<std::int32_t>* forced = nullptr);
+                           const std::vector<std::int32_t>* forced = nullptr,
+                           const std::vector<std::int32_t>* after_prefill = nullptr);
 
 // KL(P_ref || P) of softmax(logits) in double.
 double next_token_kl(const std::vector<float>& ref_logits, const std::vector<float>& logits);
@@ -106,8 +112,19 @@ struct Reference {
   // Decodes generated ids for answer_text (null: the model's tokenizer); not owned.
   const runner::Tokenizer* tokenizer = nullptr;
   int family = 0;  // index into kFamilies
+  // Tokens fed after the prefill and its compression, before generation (run_sample's after_prefill): with
+  // QuestionSetting::kAfterCompression the question, the end of the user turn and the answer prefix;
+  // empty when the whole prompt is prefilled.
+  std::vector<std::int32_t> after_prefill;
   RunResult run;
 };
+
+// Where a task's question is when the policy compresses (docs/tasks.md "Two settings"):
+// kAfterCompression prefills the context only (the prompt up to the question's first token), compresses it,
+// then feeds the rest of the prompt as decode steps (what kvcap run --task records and kvsim replays by
+// default); kInContext prefills the whole prompt, question included, and compresses that
+// (kvsim --question-in-context).
+enum class QuestionSetting { kAfterCompression, kInContext };
 // The tiny VLM's held-out samples: prompts and answers; with `run` (max_new > 0) also the uncompressed run.
 std::vector<Reference> make_references(runner::Model& model, const std::vector<HeldoutSample>& samples,
                                        int max_new);
@@ -128,8 +145,11 @@ TokenCounter token_counter(const runner::Tokenizer& tokenizer);
 // A text task's sample (docs/tasks.md) as a reference of the text model: the user message rendered with
 // `chat` (its default system prompt, the assistant turn opened), then the answer prefix, encoded by
 // `tokenizer`; family "text-only"; answer_ids = the encoded " " + answer + EOS (for inspection).
+// With kAfterCompression the prompt is split at its first question token (task_token_roles) into the
+// prefilled context and after_prefill; throws TaskError when either part is empty.
 Reference make_task_reference(runner::Model& model, const runner::Tokenizer& tokenizer,
-                              const runner::ChatTemplate& chat, const TaskSample& sample);
+                              const runner::ChatTemplate& chat, const TaskSample& sample,
+                              QuestionSetting setting = QuestionSetting::kAfterCompression);
 
 // Runs one point on every reference, each run with its own prefill. `progress(done)` is called after each
 // sample.

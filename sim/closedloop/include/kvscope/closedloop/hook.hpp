@@ -46,6 +46,9 @@ class ClosedLoopHook : public runner::CacheHook, public runner::RunObserver {
   void after_decode_step(runner::KvCache& cache, int step, const runner::TokenInfo& token) override;
 
   bool applied() const { return applied_; }
+  // Decode-time policies change the cache after every decode step (so steps must be fed one at a time);
+  // prefill-mode policies only append.
+  bool evicts_during_decode() const { return decoder_ != nullptr; }
   // kvsim's measurement of each layer's compressed context (bytes per head and modality, token counts).
   const std::vector<sim::LayerResult>& layer_results() const { return layers_; }
   // kvsim's predicted bytes: the compressed context (sum over layers and heads of bytes_kept, per modality

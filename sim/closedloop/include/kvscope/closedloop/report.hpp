@@ -16,6 +16,7 @@ struct EvalRunInfo {
   double reference_seconds = 0;  // uncompressed reference runs
   std::string task;              // text task (docs/tasks.md); "" for the tiny VLM's heldout.json
   int length = 0;                // the task's requested tokens
+  bool question_in_context = false;  // text tasks: QuestionSetting::kInContext
 };
 
 void write_table(std::ostream& os, const std::vector<PointStats>& points);
