@@ -10,6 +10,7 @@
 #include "kvscope/kernels/head_merge.hpp"
 #include "kvscope/kernels/scores.hpp"
 #include "kvscope/sim/engine.hpp"
+#include "kvscope/trace/aggregates.hpp"
 #include "stages/stage.hpp"
 
 namespace kvscope::sim {
@@ -38,7 +39,74 @@ TraceContext TraceContext::from_reader(const trace::TraceReader& reader) {
   c.modality_all = c.modality;
   c.modality_all.resize(static_cast<std::size_t>(c.T) + static_cast<std::size_t>(c.S), 0);
   c.count_query_sets();
+  // Stored attention aggregates: used only when complete and made for this trace; anything wrong
+  // with them is a warning, and the statistics are recomputed from the tensors.
+  try {
+    switch (reader.aggregate_state()) {
+      case trace::AggregateState::kAbsent:
+        c.aggregates_absent = "the trace has no /aggregates; kvcap aggregate stores them";
+        break;
+      case trace::AggregateState::kIncomplete:
+        c.aggregates_absent = "/aggregates is incomplete (complete != 1: its writer stopped)";
+        c.aggregate_warnings.push_back(reader.path() + ": " + c.aggregates_absent + "; ignored, recomputing");
+        break;
+      case trace::AggregateState::kPresent: {
+        trace::AggregateDefinition d = reader.aggregate_definition();
+        const std::string problem =
+            trace::aggregate_definition_problem(d, c.geometry, c.dtype, reader.num_tokens());
+        if (problem.empty()) {
+          c.aggregate_window = d.window;
+          c.aggregates = std::move(d);
+        } else {
+          c.aggregates_absent = "/aggregates: " + problem;
+          c.aggregate_warnings.push_back(reader.path() + ": " + c.aggregates_absent +
+                                         "; ignored, recomputing");
+        }
+        break;
+      }
+    }
+  } catch (const trace::TraceError& e) {
+    c.aggregates_absent = std::string("/aggregates unreadable: ") + e.what();
+    c.aggregate_warnings.push_back(std::string(e.what()) + "; stored aggregates ignored, recomputing");
+  }
   return c;
+}
+
+void TraceContext::note_statistic(const std::string& name, bool stored, const std::string& reason) {
+  StatisticUse& u = statistic_use[name];
+  if (stored) {
+    ++u.stored;
+  } else {
+    ++u.recomputed;
+    if (u.reason.empty()) u.reason = reason;
+  }
+}
+
+std::string TraceContext::attention_statistics_summary() const {
+  if (statistic_use.empty()) return "none needed";
+  std::string stored, recomputed;
+  bool absent = false;  // some statistic was recomputed because no stored one could be used
+  for (const auto& [name, u] : statistic_use) {
+    if (u.stored > 0) {
+      stored += (stored.empty() ? "" : ", ") + name;
+      if (u.recomputed > 0) stored += " (" + std::to_string(u.stored) + " layers)";
+    }
+    if (u.recomputed > 0) {
+      recomputed += (recomputed.empty() ? "" : ", ") + name;
+      if (u.stored > 0) recomputed += " (" + std::to_string(u.recomputed) + " layers)";
+      if (!u.reason.empty() && u.reason == aggregates_absent) {
+        absent = true;
+      } else if (!u.reason.empty()) {
+        recomputed += " [" + u.reason + "]";
+      }
+    }
+  }
+  std::string out;
+  if (!stored.empty())
+    out = "stored /aggregates (window " + std::to_string(aggregate_window) + ") for " + stored;
+  if (!recomputed.empty()) out += (out.empty() ? "" : "; ") + std::string("recomputed: ") + recomputed;
+  if (absent) out += " (" + aggregates_absent + ")";
+  return out;
 }
 
 const kernels::NeighbourTable& TraceContext::neighbour_lists(int seq_radius, int grid_radius) {
@@ -239,11 +307,28 @@ std::vector<float> LayerData::reduce(const std::vector<float>& per_q) const {
   return out;
 }
 
+std::string LayerData::stored_unusable() const {
+  if (stored_) return "";
+  if (ctx_.aggregates && ctx_.aggregates->num_tokens != ctx_.T) {
+    return "stored for T = " + std::to_string(ctx_.aggregates->num_tokens) +
+           ", the context has T = " + std::to_string(ctx_.T);
+  }
+  return ctx_.aggregates_absent.empty() ? "no stored aggregates for this layer" : ctx_.aggregates_absent;
+}
+
 const std::vector<float>& LayerData::h2o() {
   if (h2o_.empty()) {
-    std::vector<float> q(static_cast<std::size_t>(ctx_.geometry.num_q_heads) * static_cast<std::size_t>(ctx_.T));
-    check(ctx_.backend->accumulated_attention(problem(), kernels::QueryRange{0, -1}, q.data()), "H2O attention");
-    h2o_ = reduce(q);
+    if (stored_) {
+      h2o_ = reduce(stored_->h2o);
+      ctx_.note_statistic("h2o", true);
+    } else {
+      std::vector<float> q(static_cast<std::size_t>(ctx_.geometry.num_q_heads) *
+                           static_cast<std::size_t>(ctx_.T));
+      check(ctx_.backend->accumulated_attention(problem(), kernels::QueryRange{0, -1}, q.data()),
+            "H2O attention");
+      h2o_ = reduce(q);
+      ctx_.note_statistic("h2o", false, stored_unusable());
+    }
   }
   return h2o_;
 }
@@ -254,16 +339,35 @@ const std::vector<float>& LayerData::snapkv(const kernels::SnapKVParams& p) {
   const auto key = std::make_tuple(eff.window, eff.kernel_size, static_cast<int>(eff.pool));
   auto it = snap_.find(key);
   if (it != snap_.end()) return it->second;
+  const std::string name = "snapkv window " + std::to_string(eff.window);
   std::vector<float> q(static_cast<std::size_t>(ctx_.geometry.num_q_heads) * static_cast<std::size_t>(ctx_.T));
-  check(ctx_.backend->snapkv_scores(problem(), eff, q.data()), "SnapKV scores");
+  if (stored_ && stored_definition_.window == eff.window) {
+    // The stored window sums, pooled as snapkv_scores pools its own.
+    check(kernels::cpu::snapkv_pool(stored_->window_sum.data(), ctx_.geometry.num_q_heads, ctx_.T, eff,
+                                    q.data()),
+          "SnapKV pooling");
+    ctx_.note_statistic(name, true);
+  } else {
+    check(ctx_.backend->snapkv_scores(problem(), eff, q.data()), "SnapKV scores");
+    ctx_.note_statistic(
+        name, false,
+        stored_ ? "stored window is " + std::to_string(stored_definition_.window) : stored_unusable());
+  }
   return snap_.emplace(key, reduce(q)).first->second;
 }
 
 const std::vector<float>& LayerData::tova() {
   if (tova_.empty()) {
-    std::vector<float> q(static_cast<std::size_t>(ctx_.geometry.num_q_heads) * static_cast<std::size_t>(ctx_.T));
-    check(ctx_.backend->tova_scores(problem(), q.data()), "TOVA scores");
-    tova_ = reduce(q);
+    if (stored_) {
+      tova_ = reduce(stored_->last_query);
+      ctx_.note_statistic("tova", true);
+    } else {
+      std::vector<float> q(static_cast<std::size_t>(ctx_.geometry.num_q_heads) *
+                           static_cast<std::size_t>(ctx_.T));
+      check(ctx_.backend->tova_scores(problem(), q.data()), "TOVA scores");
+      tova_ = reduce(q);
+      ctx_.note_statistic("tova", false, stored_unusable());
+    }
   }
   return tova_;
 }
@@ -282,6 +386,16 @@ const std::vector<float>& LayerData::redundancy(int seq_radius, int grid_radius)
   const auto key = std::make_pair(seq_radius, grid_radius);
   auto it = redundancy_.find(key);
   if (it != redundancy_.end()) return it->second;
+  const std::string name = "redundancy " + std::to_string(seq_radius) + "/" + std::to_string(grid_radius);
+  if (stored_ && stored_definition_.seq_radius == seq_radius &&
+      stored_definition_.grid_radius == grid_radius) {
+    ctx_.note_statistic(name, true);
+    return redundancy_.emplace(key, stored_->redundancy).first->second;
+  }
+  ctx_.note_statistic(name, false,
+                      stored_ ? "stored radii are " + std::to_string(stored_definition_.seq_radius) + "/" +
+                                    std::to_string(stored_definition_.grid_radius)
+                              : stored_unusable());
   require_prefill("redundancy");
   std::vector<float> out(static_cast<std::size_t>(ctx_.geometry.num_kv_heads) * static_cast<std::size_t>(ctx_.T));
   kernels::KeyTensor k{prefill_.k.data.data(), ctx_.geometry.num_kv_heads, ctx_.T, ctx_.geometry.head_dim, ctx_.dtype};
@@ -291,12 +405,21 @@ const std::vector<float>& LayerData::redundancy(int seq_radius, int grid_radius)
 
 const std::vector<float>& LayerData::cross_received() {
   if (received_.empty()) {
-    const std::size_t n = static_cast<std::size_t>(ctx_.geometry.num_q_heads) * static_cast<std::size_t>(ctx_.T);
-    std::vector<float> rec(n), giv(n);
-    check(ctx_.backend->cross_modal_interaction(problem(), ctx_.modality.data(), nullptr, rec.data(), giv.data()),
-          "cross-modal interaction");
-    received_ = reduce(rec);
-    given_ = reduce(giv);
+    if (stored_) {
+      received_ = reduce(stored_->cross_received);
+      given_ = reduce(stored_->cross_given);
+      ctx_.note_statistic("cross-modal", true);
+    } else {
+      const std::size_t n =
+          static_cast<std::size_t>(ctx_.geometry.num_q_heads) * static_cast<std::size_t>(ctx_.T);
+      std::vector<float> rec(n), giv(n);
+      check(ctx_.backend->cross_modal_interaction(problem(), ctx_.modality.data(), nullptr, rec.data(),
+                                                  giv.data()),
+            "cross-modal interaction");
+      received_ = reduce(rec);
+      given_ = reduce(giv);
+      ctx_.note_statistic("cross-modal", false, stored_unusable());
+    }
     // reduce() sums over the query heads of a group: turn the given share back into a mean.
     const float g = static_cast<float>(ctx_.geometry.group_size());
     for (auto& x : given_) x /= g;

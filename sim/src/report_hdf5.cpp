@@ -299,6 +299,8 @@ void write_contents(const Writer& w, hid_t file, const std::vector<PointResult>&
   w.attr_scalar<std::uint8_t>(file, "/", "synthetic", meta.synthetic ? 1 : 0);
   w.attr_string(file, "/", "created", meta.created.empty() ? utc_now() : meta.created);
   w.attr_string(file, "/", "command_line", meta.command_line);
+  if (!meta.attention_statistics.empty())
+    w.attr_string(file, "/", "attention_statistics", meta.attention_statistics);
   w.attr_scalar<std::int64_t>(file, "/", "num_points", static_cast<std::int64_t>(P));
   w.attr_scalar<std::int64_t>(file, "/", "num_layers", static_cast<std::int64_t>(L));
   w.attr_scalar<std::int64_t>(file, "/", "num_kv_heads", static_cast<std::int64_t>(H));

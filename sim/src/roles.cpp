@@ -109,7 +109,19 @@ LayerData read_layer_data(const trace::TraceReader& reader, int layer, TraceCont
     move_rows(prefill.k, decode.k, n);
     move_rows(prefill.v, decode.v, n);
   }
-  return LayerData(layer, std::move(prefill), std::move(decode), ctx);
+  LayerData data(layer, std::move(prefill), std::move(decode), ctx);
+  // Stored aggregates are of the trace's own context: not of one the question was moved into.
+  if (ctx.aggregates && ctx.aggregates->num_tokens == ctx.T) {
+    try {
+      data.set_stored_aggregates(reader.read_attention_aggregates(layer, *ctx.aggregates), *ctx.aggregates);
+    } catch (const trace::TraceError& e) {
+      ctx.aggregates_absent = std::string("/aggregates unreadable: ") + e.what();
+      ctx.aggregate_warnings.push_back(std::string(e.what()) + "; stored aggregates ignored from layer " +
+                                       std::to_string(layer) + " on, recomputing");
+      ctx.aggregates.reset();
+    }
+  }
+  return data;
 }
 
 void finish_query_sets(SweepOutput& out, const std::string& source) {

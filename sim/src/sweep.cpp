@@ -416,6 +416,8 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
     if (search) search->run_layer(layer, ctx);
   }
   if (search) search->append_points(out.points);
+  out.attention_statistics = ctx.attention_statistics_summary();
+  for (const std::string& w : ctx.aggregate_warnings) out.warnings.push_back(w);
   const bool has_vision = ctx.tokens[static_cast<std::size_t>(kernels::Modality::kVision)] > 0;
   for (std::size_t i = 0; i < out.points.size(); ++i) {
     PointResult& pt = out.points[i];

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "capture_test_util.hpp"
+#include "kvscope/aggregate/aggregate.hpp"
 #include "kvscope/kernels/common.hpp"
 #include "kvscope/trace/reader.hpp"
 #include "kvscope/trace/validate.hpp"
@@ -281,6 +282,58 @@ TEST_F(CaptureTest, CppWrapperClosesOrAborts) {
   EXPECT_EQ(r.tokens().role, roles);
   EXPECT_TRUE(r.has_roles());
   EXPECT_EQ(r.read_layer(2).k.at(5), -0.25f);
+}
+
+// config.aggregate_window: the writer thread stores the attention aggregates of every prefill layer,
+// the values kvscope::aggregate computes from the tensors read back, marked complete at close; they
+// need the tokens first.
+TEST_F(CaptureTest, AggregateWindowStoresTheAttentionAggregates) {
+  const Geometry g;
+  kvscope_capture_config cfg = make_config(g, KVSCOPE_F16);
+  cfg.aggregate_window = 4;
+  {
+    capture::Capture early(path("early.h5"), cfg, g.T);
+    const std::vector<float> q(static_cast<std::size_t>(g.Hq * g.T * g.D), 0.5f);
+    try {
+      early.prefill_layer(0, capture::tensor(q.data(), g.Hq, g.T, g.D),
+                          capture::tensor(q.data(), g.Hkv, g.T, g.D),
+                          capture::tensor(q.data(), g.Hkv, g.T, g.D));
+      FAIL() << "prefill before tokens with aggregate_window";
+    } catch (const capture::CaptureError& e) {
+      EXPECT_EQ(e.status(), KVSCOPE_ERR_STATE);
+      EXPECT_NE(std::string(e.what()).find("aggregate_window needs kvscope_capture_set_tokens"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  capture::Capture cap(path("agg.h5"), cfg, g.T);
+  cap.set_tokens(make_tokens(g.T, false));
+  for (int l = 0; l < g.L; ++l) {
+    const std::vector<float> q = random_normal(static_cast<std::size_t>(g.Hq * g.T * g.D), 10 + l, 1.0f);
+    const std::vector<float> k = random_normal(static_cast<std::size_t>(g.Hkv * g.T * g.D), 20 + l, 1.0f);
+    cap.prefill_layer(l, capture::tensor(q.data(), g.Hq, g.T, g.D),
+                      capture::tensor(k.data(), g.Hkv, g.T, g.D), capture::tensor(k.data(), g.Hkv, g.T, g.D));
+  }
+  cap.close();
+  const trace::TraceReader r(path("agg.h5"));
+  ASSERT_EQ(r.aggregate_state(), trace::AggregateState::kPresent);
+  const trace::AggregateDefinition d = r.aggregate_definition();
+  EXPECT_EQ(d.window, 4);
+  EXPECT_EQ(d.input_dtype, "float16");
+  const aggregate::AggregateComputer c(r.geometry(), r.header().dtype, r.tokens(), 4, "test");
+  for (int l = 0; l < g.L; ++l) {
+    const trace::LayerTensors t = r.read_layer(l);
+    const trace::LayerAttentionAggregates want = c.compute(t.q.data.data(), t.k.data.data());
+    const trace::LayerAttentionAggregates got = r.read_attention_aggregates(l, d);
+    // The same kernels on the same float16 tensors.
+    EXPECT_TRUE(all_close(got.h2o, want.h2o, 1e-6, 1e-6, "h2o"));
+    EXPECT_TRUE(all_close(got.window_sum, want.window_sum, 1e-6, 1e-6, "window_sum"));
+    EXPECT_TRUE(all_close(got.cross_given, want.cross_given, 1e-6, 1e-6, "cross_given"));
+    EXPECT_TRUE(all_close(got.redundancy, want.redundancy, 1e-6, 1e-6, "redundancy"));
+  }
+  const trace::ValidationReport rep = trace::validate_trace(path("agg.h5"));
+  EXPECT_TRUE(rep.ok) << rep.message;
+  EXPECT_NE(rep.message.find("attention aggregates (window 4)"), std::string::npos) << rep.message;
 }
 
 }  // namespace

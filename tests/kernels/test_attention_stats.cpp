@@ -239,6 +239,51 @@ TEST(AttentionStats, BlockedRowsMatchReferenceAcrossBlockEdges) {
   }
 }
 
+// The one-pass H2O + cross-modal sums of the stored aggregates (trace format 1.2) give what the
+// separate kernels give (the same row blocks, sums and block order: equal up to float rounding of
+// the sgemm calls, asserted with a tight tolerance), on blocks of 64 rows with GQA and a causal
+// prefill; the window sums pooled give snapkv_scores.
+TEST(AttentionStats, PrefillSumsAndWindowSumsMatchTheSeparateKernels) {
+  for (kk::DType t : {kk::DType::kF16, kk::DType::kF32}) {
+    AttentionCase c = make_case(4, 2, 150, 150, 32, t, 902);
+    c.q_mod = c.k_mod;
+    const std::size_t n = static_cast<std::size_t>(c.hq) * c.tk;
+    std::vector<float> h(n), r(n), g(n), h1(n), r1(n), g1(n);
+    ASSERT_TRUE(kc::prefill_attention_sums(c.problem(), c.k_mod.data(), h.data(), r.data(), g.data()).ok());
+    ASSERT_TRUE(kc::accumulated_attention(c.problem(), {}, h1.data()).ok());
+    ASSERT_TRUE(kc::cross_modal_interaction(c.problem(), c.k_mod.data(), nullptr, r1.data(), g1.data()).ok());
+    EXPECT_TRUE(all_close(h, h1, 1e-7, 1e-6, c.params() + " h2o"));
+    EXPECT_TRUE(all_close(r, r1, 1e-7, 1e-6, c.params() + " received"));
+    EXPECT_TRUE(all_close(g, g1, 1e-7, 1e-6, c.params() + " given"));
+    const auto p = reference_probs(c);
+    EXPECT_TRUE(
+        all_close(h, reference_colsum(c, p, 0, c.tq), kAtol, kRtol, c.params() + " h2o vs reference"));
+    for (int w : {1, 32, 70}) {
+      for (int k : {1, 7}) {
+        kk::SnapKVParams sp;
+        sp.window = w;
+        sp.kernel_size = k;
+        sp.pool = k == 7 ? kk::PoolKind::kMax : kk::PoolKind::kAvg;
+        std::vector<float> sums(n), pooled(n), want(n);
+        ASSERT_TRUE(kc::snapkv_window_sums(c.problem(), w, sums.data()).ok());
+        ASSERT_TRUE(kc::snapkv_pool(sums.data(), c.hq, c.tk, sp, pooled.data()).ok());
+        ASSERT_TRUE(kc::snapkv_scores(c.problem(), sp, want.data()).ok());
+        EXPECT_EQ(pooled, want) << c.params() << " window " << w << " kernel " << k;
+        EXPECT_TRUE(
+            all_close(sums, reference_colsum(c, p, c.tq - w, c.tq), kAtol, kRtol, c.params() + " sums"));
+      }
+    }
+  }
+  const AttentionCase c = make_case(2, 1, 8, 9, 16, kk::DType::kF32, 903);
+  std::vector<float> x(static_cast<std::size_t>(c.hq) * c.tk);
+  EXPECT_FALSE(kc::prefill_attention_sums(c.problem(), c.k_mod.data(), x.data(), x.data(), x.data()).ok())
+      << "q_len != k_len";
+  EXPECT_FALSE(kc::snapkv_window_sums(c.problem(), 0, x.data()).ok());
+  kk::SnapKVParams even;
+  even.kernel_size = 4;
+  EXPECT_FALSE(kc::snapkv_pool(x.data(), c.hq, c.tk, even, x.data()).ok());
+}
+
 TEST(AttentionStats, RejectsBadArguments) {
   const AttentionCase c = make_case(8, 2, 8, 8, 4, kk::DType::kF32, 1);
   std::vector<float> out(8 * 8 * 4);

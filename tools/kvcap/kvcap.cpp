@@ -1,14 +1,14 @@
-// kvcap: the capture-side command line. Subcommands: synth, validate, export-chrome, run, eval, tasks,
-// import-gguf.
+// kvcap: the capture-side command line. Subcommands: synth, validate, aggregate, export-chrome, run, eval,
+// tasks, import-gguf.
 #include <boost/program_options.hpp>
-
 #include <cstdio>
 #include <iostream>
 #include <string>
 
+#include "aggregate_command.hpp"
+#include "eval_command.hpp"
 #include "export_chrome_command.hpp"
 #include "import_gguf_command.hpp"
-#include "eval_command.hpp"
 #include "kvscope/cli/options.hpp"
 #include "kvscope/cli/progress.hpp"
 #include "kvscope/synth/synth.hpp"
@@ -30,6 +30,7 @@ void print_usage(std::ostream& os) {
         "Commands:\n"
         "  synth      write a deterministic synthetic trace with the geometry of a known model\n"
         "  validate   check that a file is a valid, complete kvscope trace (exit 0 valid, 2 not)\n"
+        "  aggregate  compute the prefill attention statistics of a trace once and store them in it\n"
         "  export-chrome  write a trace's /profile ranges and kernels as Chrome/Perfetto trace JSON\n"
         "  run        run a model (tiny VLM: images + a question; HF LLaMA: a text or chat prompt) and\n"
         "             capture a trace\n"
@@ -63,18 +64,22 @@ int cmd_synth(const std::vector<std::string>& args) {
       "specialised on vision or text, and shallow layers more redundant than deep ones.\n"
       "Token layout: <s>, system text, each image (+ one separator token), audio clip (+ separator),\n"
       "question text. Decode steps are the evaluation queries.\n\nOptions");
-  opts.add_options()("help,h", "show this help")(
-      "preset", po::value<std::string>()->required(), ("model geometry preset:\n" + presets).c_str())(
+  opts.add_options()("help,h", "show this help")("preset", po::value<std::string>()->required(),
+                                                 ("model geometry preset:\n" + presets).c_str())(
       "images", po::value<int>(), "number of images (default: preset's, 1)")(
-      "image-tokens", po::value<int>(), "tokens per image, laid out as a near-square patch grid (default: preset's)")(
+      "image-tokens", po::value<int>(),
+      "tokens per image, laid out as a near-square patch grid (default: preset's)")(
       "text", po::value<int>(), "text tokens (default: preset's)")(
       "audio", po::value<int>()->default_value(0), "audio tokens in one clip (0 = none)")(
       "decode", po::value<int>(), "decode steps recorded as evaluation queries (default: preset's)")(
-      "seed", po::value<unsigned long long>()->default_value(0), "random seed (same seed, same file contents)")(
-      "dtype", po::value<std::string>()->default_value("float16"), "tensor dtype: float16, bfloat16, float32")(
-      "deflate", po::value<int>()->default_value(0), "gzip level 0..9 for tensors (0 = uncompressed, fastest)")(
-      "output,o", po::value<std::string>()->required(), "output trace file (.h5)")(
-      "quiet,q", "no progress bar");
+      "layers", po::value<int>(), "layers (default: preset's; the depth schedule spans the layers written)")(
+      "seed", po::value<unsigned long long>()->default_value(0),
+      "random seed (same seed, same file contents)")(
+      "dtype", po::value<std::string>()->default_value("float16"),
+      "tensor dtype: float16, bfloat16, float32")("deflate", po::value<int>()->default_value(0),
+                                                  "gzip level 0..9 for tensors (0 = uncompressed, fastest)")(
+      "output,o", po::value<std::string>()->required(), "output trace file (.h5)")("quiet,q",
+                                                                                   "no progress bar");
   po::variables_map vm;
   const std::string examples =
       "\nExample:\n  kvcap synth --preset llava-1.5-7b --images 1 --text 64 --decode 16 -o t.h5\n";
@@ -82,7 +87,7 @@ int cmd_synth(const std::vector<std::string>& args) {
   try {
     synth::SynthOptions o;
     o.preset = vm["preset"].as<std::string>();
-    for (const char* name : {"images", "image-tokens", "text", "decode", "audio"}) {
+    for (const char* name : {"images", "image-tokens", "text", "decode", "audio", "layers"}) {
       if (vm.count(name) && vm[name].as<int>() < 0) {
         throw std::invalid_argument(std::string("--") + name + " must not be negative");
       }
@@ -91,6 +96,7 @@ int cmd_synth(const std::vector<std::string>& args) {
     if (vm.count("image-tokens")) o.image_tokens = vm["image-tokens"].as<int>();
     if (vm.count("text")) o.text = vm["text"].as<int>();
     if (vm.count("decode")) o.decode = vm["decode"].as<int>();
+    if (vm.count("layers")) o.layers = vm["layers"].as<int>();
     o.audio = vm["audio"].as<int>();
     o.seed = vm["seed"].as<unsigned long long>();
     o.dtype = parse_dtype(vm["dtype"].as<std::string>());
@@ -169,13 +175,15 @@ int main(int argc, char** argv) {
     }
     if (cmd == "synth") return cmd_synth(rest);
     if (cmd == "validate") return cmd_validate(rest);
+    if (cmd == "aggregate") return cli::aggregate_command(rest);
     if (cmd == "export-chrome") return cli::export_chrome_command(rest);
     if (cmd == "run") return cli::run_command(rest);
     if (cmd == "eval") return cli::eval_command(rest);
     if (cmd == "tasks") return cli::tasks_command(rest);
     if (cmd == "import-gguf") return cli::import_gguf_command(rest);
     std::cerr << "kvcap: unknown command '" << cmd
-              << "' (valid: synth, validate, export-chrome, run, eval, tasks, import-gguf; see kvcap --help)\n";
+              << "' (valid: synth, validate, aggregate, export-chrome, run, eval, tasks, import-gguf; see "
+                 "kvcap --help)\n";
     return kExitError;
   } catch (const std::exception& e) {
     std::cerr << "kvcap " << cmd << ": " << e.what() << "\n";

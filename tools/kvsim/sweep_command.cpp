@@ -256,7 +256,7 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
       std::cout << " (auto: " << (cuda_backend_built() ? kernels::cuda_device_description() : "built without CUDA")
                 << ")";
     }
-    std::cout << "\n\n";
+    std::cout << "\nattention statistics: " << out.attention_statistics << "\n\n";
     TableOptions table;
     table.query_sets = out.has_roles;
     table.rank_by = vm["rank-by"].as<std::string>();
@@ -287,6 +287,7 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
     meta.steps_in_context = out.steps_in_context;
     meta.num_tokens = out.context_tokens;
     meta.num_decode_steps = out.decode_steps;
+    meta.attention_statistics = out.attention_statistics;
     meta.tokens_per_modality[static_cast<std::size_t>(kernels::Modality::kText)] += out.steps_in_context;
     for (int k = 0; k < kQuerySets; ++k)
       meta.query_set_steps[static_cast<std::size_t>(k)] = out.query_set_steps[static_cast<std::size_t>(k)];

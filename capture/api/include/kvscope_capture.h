@@ -89,6 +89,12 @@ typedef struct kvscope_capture_config {
   int32_t deflate_level;  /* 0 = none, 1..9 gzip */
   int32_t profile;        /* 1 = record ranges (and CUPTI activity on a GPU) into /profile */
   void* cuda_stream;      /* the model's cudaStream_t: device copies are ordered after it; NULL = default */
+  /* > 0: after writing each prefill layer, the writer thread computes its attention aggregates (trace
+   * format 1.2 /aggregates: H2O, the window sums of the last aggregate_window queries, the last query's
+   * row, cross-modal shares, key redundancy; docs/trace-format.md section 3a) on the CPU, exactly as
+   * `kvcap aggregate --window N` does, and stores them; kvscope_capture_set_tokens must then come
+   * before the first prefill layer. 0 = none. */
+  int32_t aggregate_window;
 } kvscope_capture_config;
 
 typedef struct kvscope_capture kvscope_capture; /* opaque */

@@ -53,6 +53,8 @@ Session::Session(const std::string& path, const kvscope_capture_config& c, std::
   if (c.chunk_tokens < 0) bad("config.chunk_tokens must be >= 0");
   if (c.deflate_level < 0 || c.deflate_level > 9) bad("config.deflate_level must be in 0..9");
   if (c.profile != 0 && c.profile != 1) bad("config.profile must be 0 or 1");
+  if (c.aggregate_window < 0) bad("config.aggregate_window must be >= 0 (0 = no aggregates)");
+  aggregate_window_ = c.aggregate_window;
   if (context_tokens <= 0) bad("context_tokens must be > 0 (got " + std::to_string(context_tokens) + ")");
 
   geometry_.num_layers = c.num_layers;
@@ -208,6 +210,11 @@ void Session::prefill_layer(std::int32_t layer, const kvscope_tensor* q, const k
   if (prefill_recorded_[static_cast<std::size_t>(layer)]) {
     fail(KVSCOPE_ERR_STATE,
          std::string(where) + ": layer " + std::to_string(layer) + " was already recorded");
+  }
+  if (aggregate_window_ > 0 && !tokens_set_) {
+    fail(KVSCOPE_ERR_STATE, std::string(where) +
+                                ": config.aggregate_window needs kvscope_capture_set_tokens before the first "
+                                "prefill layer (the aggregates read positions and modalities)");
   }
   enqueue_tensors(JobKind::kPrefill, layer, -1, t);
   prefill_recorded_[static_cast<std::size_t>(layer)] = true;

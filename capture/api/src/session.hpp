@@ -16,6 +16,7 @@
 #include "device_stager.hpp"
 #include "failure.hpp"
 #include "job_queue.hpp"
+#include "kvscope/aggregate/aggregate.hpp"
 #include "kvscope/trace/error.hpp"
 #include "kvscope/trace/limits.hpp"
 #include "kvscope/trace/writer.hpp"
@@ -80,6 +81,8 @@ class Session {
 
   // Model-thread bookkeeping of what was recorded.
   bool tokens_set_ = false;
+  int aggregate_window_ = 0;                                // config.aggregate_window
+  std::optional<aggregate::AggregateComputer> aggregator_;  // writer thread, from the tokens job
   std::vector<bool> prefill_recorded_, aggregates_recorded_;
   std::vector<int> decode_steps_;  // per layer
   std::vector<std::int32_t> decode_token_id_, decode_position_;

@@ -95,6 +95,10 @@ void Session::handle(Job& job) {
   switch (job.kind) {
     case JobKind::kTokens:
       writer_->write_tokens(job.tokens);
+      if (aggregate_window_ > 0) {
+        aggregator_.emplace(geometry_, dtype_, job.tokens, aggregate_window_,
+                            "kvscope-capture " KVSCOPE_CAPTURE_VERSION);
+      }
       break;
     case JobKind::kAggregates:
       writer_->write_layer_aggregates(job.layer, job.aggregates);
@@ -108,6 +112,11 @@ void Session::handle(Job& job) {
         view[i] = {t[i].data(), dtype_, job.tensors[static_cast<std::size_t>(i)].shape};
       }
       writer_->write_layer(job.layer, view[0], view[1], view[2]);
+      if (aggregator_) {
+        Profiler::Scope agg(profiler_, "capture/aggregate layer " + std::to_string(job.layer), 1);
+        writer_->write_attention_aggregates(job.layer, aggregator_->definition(),
+                                            aggregator_->compute(t[0].data(), t[1].data()));
+      }
       writer_->flush();  // a crash later still leaves this layer readable
       tensors_written_ += 3;
       ++layers_written_;

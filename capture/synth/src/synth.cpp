@@ -165,8 +165,11 @@ SynthGenerator::SynthGenerator(SynthOptions o) : options_(std::move(o)) {
   check(options_.audio >= 0 && options_.audio <= 1'000'000, "--audio must be in 0..1000000");
   check(options_.decode >= 1 && options_.decode <= 4096, "--decode must be in 1..4096");
   check(options_.deflate >= 0 && options_.deflate <= 9, "--deflate must be in 0..9");
+  check(options_.layers == -1 || (options_.layers >= 1 && options_.layers <= 1024),
+        "--layers must be in 1..1024");
 
   header_.geometry = p->geometry;
+  if (options_.layers != -1) header_.geometry.num_layers = options_.layers;
   header_.dtype = options_.dtype;
   header_.synthetic = true;
   header_.creator = "kvcap synth (kvscope 0.1.0), preset " + p->name + ", seed " + std::to_string(options_.seed);

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <set>
 
+#include "aggregates_io.hpp"
 #include "h5.hpp"
 #include "kvscope/trace/limits.hpp"
 
@@ -496,6 +497,22 @@ std::optional<LayerAggregates> TraceReader::read_aggregates(int layer) const {
     check_values(lg + "/attn_window", a.attn_window, 1.0);
   }
   return a;
+}
+
+AggregateState TraceReader::aggregate_state() const { return aggregates_io::state(impl_->ctx, impl_->file); }
+
+AggregateDefinition TraceReader::aggregate_definition() const {
+  const Impl& m = *impl_;
+  if (!m.exists(kAggregatesGroup)) m.ctx.fail(ErrorKind::kMissing, kAggregatesGroup, "group is missing");
+  return aggregates_io::read_definition(m.ctx, m.file);
+}
+
+LayerAttentionAggregates TraceReader::read_attention_aggregates(int layer,
+                                                                const AggregateDefinition& definition) const {
+  const Impl& m = *impl_;
+  if (layer < 0 || layer >= definition.num_layers)
+    m.ctx.fail(ErrorKind::kUsage, kAggregatesGroup, "layer " + std::to_string(layer) + " out of range");
+  return aggregates_io::read_layer(m.ctx, m.file, layer, definition);
 }
 
 Profile TraceReader::read_profile() const {

@@ -28,6 +28,12 @@ std::string decode_layer_group_name(int layer) {
   return buf;
 }
 
+std::string aggregate_layer_group_name(int layer) {
+  char buf[40];
+  std::snprintf(buf, sizeof buf, "/aggregates/%03d", layer);
+  return buf;
+}
+
 const char* role_name(int role) {
   switch (role) {
     case 0:

@@ -5,8 +5,11 @@
 #include <cmath>
 #include <cstring>
 #include <ctime>
+#include <optional>
 
+#include "aggregates_io.hpp"
 #include "h5.hpp"
+#include "kvscope/trace/aggregates.hpp"
 #include "kvscope/trace/limits.hpp"
 
 namespace kvscope::trace {
@@ -20,7 +23,8 @@ struct TraceWriter::Impl {
   std::size_t T = 0, S = 0;
   WriterOptions options;
   bool tokens_written = false, decode_tokens_written = false, profile_written = false, closed = false;
-  std::vector<bool> layer_written, decode_written;
+  std::vector<bool> layer_written, decode_written, aggregates_written;
+  std::optional<AggregateDefinition> aggregates;  // set by the first write_attention_aggregates
 
   Handle create_group(const std::string& path) {
     if (h5::exists(file, path)) {
@@ -288,6 +292,34 @@ void TraceWriter::write_layer_aggregates(int layer, const LayerAggregates& a) {
   }
 }
 
+void TraceWriter::write_attention_aggregates(int layer, const AggregateDefinition& def,
+                                             const LayerAttentionAggregates& a) {
+  h5::silence_errors();
+  Impl& m = *impl_;
+  m.check_layer(layer, "write_attention_aggregates");
+  const std::string g = aggregate_layer_group_name(layer);
+  if (!m.aggregates) {
+    const std::string problem = aggregate_definition_problem(def, m.header.geometry, m.header.dtype, m.T);
+    if (!problem.empty()) m.ctx.fail(ErrorKind::kUsage, kAggregatesGroup, problem);
+    aggregates_io::create_group(m.ctx, m.file, kAggregatesGroup, def);
+    m.aggregates = def;
+    m.aggregates_written.assign(m.layer_written.size(), false);
+    if (m.header.version_major == kVersionMajor && m.header.version_minor < kVersionMinorAggregates) {
+      m.header.version_minor = kVersionMinorAggregates;
+      h5::write_attr_string(
+          m.ctx, m.file, "version",
+          std::to_string(m.header.version_major) + "." + std::to_string(m.header.version_minor));
+    }
+  } else if (def.window != m.aggregates->window || def.seq_radius != m.aggregates->seq_radius ||
+             def.grid_radius != m.aggregates->grid_radius || def.definition != m.aggregates->definition) {
+    m.ctx.fail(ErrorKind::kUsage, g, "another definition than the first layer's aggregates");
+  }
+  if (m.aggregates_written[static_cast<std::size_t>(layer)])
+    m.ctx.fail(ErrorKind::kUsage, g, "written twice");
+  aggregates_io::write_layer(m.ctx, m.file, layer, *m.aggregates, a);
+  m.aggregates_written[static_cast<std::size_t>(layer)] = true;
+}
+
 void TraceWriter::write_decode_layer(int layer, const TensorView& q, const TensorView& k, const TensorView& v) {
   h5::silence_errors();
   Impl& m = *impl_;
@@ -396,6 +428,11 @@ void TraceWriter::close() {
   }
   if (!m.decode_tokens_written) missing("/decode/tokens");
   if (!m.profile_written) write_profile(Profile{});
+  if (m.aggregates &&
+      std::all_of(m.aggregates_written.begin(), m.aggregates_written.end(), [](bool b) { return b; })) {
+    m.ctx.check(H5Fflush(m.file, H5F_SCOPE_GLOBAL), "", "H5Fflush");
+    aggregates_io::set_complete(m.ctx, m.file, true);
+  }
   h5::write_attr_u8(m.ctx, m.file, "complete", 1);
   m.ctx.check(H5Fflush(m.file, H5F_SCOPE_GLOBAL), "", "H5Fflush");
   m.file.reset();

@@ -136,20 +136,20 @@ void attention_block(const AttentionProblem& a, const float* keys, int j, int i0
 // Waves bound such accumulators to about kWaveFloats and keep the number of OpenMP
 // barriers small (one wave for llava-sized layers).
 constexpr double kWaveFloats = 16.0 * 1024 * 1024;
-int wave_heads(const AttentionProblem& a, int q_begin, int q_end) {
+int wave_heads(const AttentionProblem& a, int q_begin, int q_end, int accumulators = 1) {
   const int G = a.num_q_heads / a.num_kv_heads;
   const double per_head =
-      static_cast<double>(G) * ((q_end - q_begin + kQueryBlock - 1) / kQueryBlock) * a.k_len;
+      static_cast<double>(G) * ((q_end - q_begin + kQueryBlock - 1) / kQueryBlock) * a.k_len * accumulators;
   return static_cast<int>(std::clamp(kWaveFloats / per_head, 1.0, static_cast<double>(a.num_kv_heads)));
 }
 
 template <typename UseBlock, typename AfterWave>
 void for_each_block(const AttentionProblem& a, int q_begin, int q_end, UseBlock use_block,
-                    AfterWave after_wave) {
+                    AfterWave after_wave, int accumulators = 1) {
   pin_blas_to_one_thread();  // sgemm inside OpenMP regions, and results independent of the BLAS kernel
   const int G = a.num_q_heads / a.num_kv_heads;
   const int nblocks = (q_end - q_begin + kQueryBlock - 1) / kQueryBlock;
-  const int wave = wave_heads(a, q_begin, q_end);
+  const int wave = wave_heads(a, q_begin, q_end, accumulators);
   for (int h0 = 0; h0 < a.num_kv_heads; h0 += wave) {
     const int h1 = std::min(a.num_kv_heads, h0 + wave);
     const int tasks = (h1 - h0) * G * nblocks;
@@ -173,35 +173,75 @@ void for_each_block(const AttentionProblem& a, int q_begin, int q_end, UseBlock 
   }
 }
 
-// Sums rows [q_begin, q_end) into out[j, t] through `add_row(j, i, p, limit, acc)`,
-// which adds one row into the block's accumulator acc[k_len]. Blocks are reduced in
-// index order.
-template <typename AddRow>
-void accumulate_rows(const AttentionProblem& a, int q_begin, int q_end, float* out, AddRow add_row) {
+// Sums rows [q_begin, q_end) into N outputs out[n][j, t] through
+// `add_row(j, i, p, limit, acc)`, which adds one row into the block's N accumulators acc[n][k_len].
+// Blocks are reduced in index order.
+template <int N, typename AddRow>
+void accumulate_rows_n(const AttentionProblem& a, int q_begin, int q_end, float* const (&out)[N],
+                       AddRow add_row) {
   const int Tk = a.k_len;
   const int G = a.num_q_heads / a.num_kv_heads;
   const int nblocks = (q_end - q_begin + kQueryBlock - 1) / kQueryBlock;
-  std::vector<float> partial(static_cast<std::size_t>(wave_heads(a, q_begin, q_end)) * G * nblocks * Tk);
+  const std::size_t per =
+      static_cast<std::size_t>(wave_heads(a, q_begin, q_end, N)) * G * nblocks * static_cast<std::size_t>(Tk);
+  std::vector<float> partial(per * N);
   for_each_block(
       a, q_begin, q_end,
       [&](int task, int j, int i0, int i1, const BlockScratch& s) {
-        float* acc = partial.data() + static_cast<std::size_t>(task) * Tk;
-        std::fill(acc, acc + Tk, 0.0f);
+        float* acc[N];
+        for (int n = 0; n < N; ++n) {
+          acc[n] = partial.data() + static_cast<std::size_t>(n) * per + static_cast<std::size_t>(task) * Tk;
+          std::fill(acc[n], acc[n] + Tk, 0.0f);
+        }
         for (int i = i0; i < i1; ++i) {
           add_row(j, i, s.p.data() + static_cast<std::size_t>(i - i0) * s.ld, s.limit[i - i0], acc);
         }
       },
       [&](int h0, int h1) {
         const std::ptrdiff_t n = static_cast<std::ptrdiff_t>(h1 - h0) * G * Tk;  // rows (j, t) of the wave
-#pragma omp parallel for schedule(static) if (static_cast <double>(n) * nblocks >= kMinParallelWork)
+#pragma omp parallel for schedule(static) if (static_cast <double>(n) * nblocks * N >= kMinParallelWork)
         for (std::ptrdiff_t e = 0; e < n; ++e) {
           const std::ptrdiff_t jw = e / Tk, t = e % Tk;  // query head within the wave
-          float sum = 0.0f;
-          for (int b = 0; b < nblocks; ++b)
-            sum += partial[(static_cast<std::size_t>(jw) * nblocks + b) * Tk + t];
-          out[static_cast<std::size_t>(h0) * G * Tk + e] = sum;
+          for (int o = 0; o < N; ++o) {
+            const float* part = partial.data() + static_cast<std::size_t>(o) * per;
+            float sum = 0.0f;
+            for (int b = 0; b < nblocks; ++b)
+              sum += part[(static_cast<std::size_t>(jw) * nblocks + b) * Tk + t];
+            out[o][static_cast<std::size_t>(h0) * G * Tk + e] = sum;
+          }
         }
-      });
+      },
+      N);
+}
+
+// accumulate_rows_n with one output.
+template <typename AddRow>
+void accumulate_rows(const AttentionProblem& a, int q_begin, int q_end, float* out, AddRow add_row) {
+  float* const outs[1] = {out};
+  accumulate_rows_n<1>(
+      a, q_begin, q_end, outs,
+      [&](int j, int i, const float* p, int limit, float* const* acc) { add_row(j, i, p, limit, acc[0]); });
+}
+
+// n_t of cross_modal_interaction: the queries of another modality than key t that can see it,
+// then received[j, t] /= n_t (0 where n_t = 0).
+void divide_by_other_modality_queries(const AttentionProblem& a, const std::uint8_t* mq,
+                                      const std::uint8_t* mk, float* received) {
+  const int T = a.k_len;
+  std::vector<int> count(T);
+#pragma omp parallel for schedule(static) if (static_cast <double>(T) * a.q_len >= kMinParallelWork)
+  for (int t = 0; t < T; ++t) {
+    int n = 0;
+    for (int i = 0; i < a.q_len; ++i) {
+      n += (mq[i] != mk[t] && key_visible(a, query_position(a, i), t)) ? 1 : 0;
+    }
+    count[t] = n;
+  }
+#pragma omp parallel for schedule(static) if (static_cast <double>(a.num_q_heads) * T >= kMinParallelWork)
+  for (std::ptrdiff_t e = 0; e < static_cast<std::ptrdiff_t>(a.num_q_heads) * T; ++e) {
+    const int n = count[e % T];
+    received[e] = n > 0 ? received[e] / static_cast<float>(n) : 0.0f;
+  }
 }
 
 // Calls `use_row(j, i, p, limit)` for every row of the problem, in parallel.
@@ -299,20 +339,40 @@ Status snapkv_scores(const AttentionProblem& a, const SnapKVParams& params, floa
     return Status::Invalid("snapkv_scores: kernel_size " + std::to_string(params.kernel_size) +
                            " must be odd and positive");
   }
-  const int Tk = a.k_len;
-  std::vector<float> sums(static_cast<std::size_t>(a.num_q_heads) * Tk);
-  accumulate_rows(a, a.q_len - params.window, a.q_len, sums.data(),
-                  [](int, int, const float* p, int limit, float* acc) {
-                    for (int t = 0; t < limit; ++t) acc[t] += p[t];
-                  });
+  std::vector<float> sums(static_cast<std::size_t>(a.num_q_heads) * a.k_len);
+  KVSCOPE_RETURN_IF_ERROR(snapkv_window_sums(a, params.window, sums.data()));
+  return snapkv_pool(sums.data(), a.num_q_heads, a.k_len, params, out);
+}
+
+Status snapkv_window_sums(const AttentionProblem& a, int window, float* sums) {
+  KVSCOPE_RETURN_IF_ERROR(validate_attention_problem(a, "snapkv_window_sums"));
+  if (sums == nullptr) return Status::Invalid("snapkv_window_sums: sums is null");
+  if (window <= 0 || window > a.q_len) {
+    return Status::Invalid("snapkv_window_sums: window " + std::to_string(window) + " outside 1..q_len " +
+                           std::to_string(a.q_len));
+  }
+  accumulate_rows(a, a.q_len - window, a.q_len, sums, [](int, int, const float* p, int limit, float* acc) {
+    for (int t = 0; t < limit; ++t) acc[t] += p[t];
+  });
+  return Status::Ok();
+}
+
+Status snapkv_pool(const float* sums, int heads, int len, const SnapKVParams& params, float* out) {
+  if (sums == nullptr || out == nullptr) return Status::Invalid("snapkv_pool: sums or out is null");
+  if (heads <= 0 || len <= 0) return Status::Invalid("snapkv_pool: heads and len must be positive");
+  if (params.kernel_size <= 0 || params.kernel_size % 2 == 0) {
+    return Status::Invalid("snapkv_pool: kernel_size " + std::to_string(params.kernel_size) +
+                           " must be odd and positive");
+  }
+  const int Tk = len;
   const int r = params.kernel_size / 2;
   const bool avg = params.pool == PoolKind::kAvg;
   const float inv_k = 1.0f / static_cast<float>(params.kernel_size);
-#pragma omp parallel for schedule( \
-    static) if (static_cast <double>(a.num_q_heads) * Tk * params.kernel_size >= kMinParallelWork)
-  for (std::ptrdiff_t e = 0; e < static_cast<std::ptrdiff_t>(a.num_q_heads) * Tk; ++e) {
+#pragma omp parallel for schedule(static) if (static_cast <double>(heads) * Tk * params.kernel_size >= \
+                                              kMinParallelWork)
+  for (std::ptrdiff_t e = 0; e < static_cast<std::ptrdiff_t>(heads) * Tk; ++e) {
     const int t = static_cast<int>(e % Tk);
-    const float* row = sums.data() + (e - t);
+    const float* row = sums + (e - t);
     const int lo = std::max(0, t - r), hi = std::min(Tk - 1, t + r);
     float v = avg ? 0.0f : row[lo];
     for (int u = lo; u <= hi; ++u) v = avg ? v + row[u] : std::max(v, row[u]);
@@ -388,21 +448,40 @@ Status cross_modal_interaction(const AttentionProblem& a, const std::uint8_t* k_
     for (int t = 0; t < limit; ++t) acc[t] += mk[t] != qm ? p[t] : 0.0f;
     if (given != nullptr) given_row(j, i, p, limit);
   });
-  // n_t: other-modality queries that can see key t (head independent).
-  std::vector<int> count(T);
-#pragma omp parallel for schedule(static) if (static_cast <double>(T) * a.q_len >= kMinParallelWork)
-  for (int t = 0; t < T; ++t) {
-    int n = 0;
-    for (int i = 0; i < a.q_len; ++i) {
-      n += (mq[i] != mk[t] && key_visible(a, query_position(a, i), t)) ? 1 : 0;
+  divide_by_other_modality_queries(a, mq, mk, received);
+  return Status::Ok();
+}
+
+Status prefill_attention_sums(const AttentionProblem& a, const std::uint8_t* k_modality, float* h2o,
+                              float* received, float* given) {
+  KVSCOPE_NVTX_RANGE("cpu::prefill_attention_sums", kAttentionStats);
+  const char* fn = "prefill_attention_sums";
+  KVSCOPE_RETURN_IF_ERROR(validate_attention_problem(a, fn));
+  if (a.q_len != a.k_len) {
+    return Status::Invalid(std::string(fn) + ": needs a prefill with q_len == k_len (got " +
+                           std::to_string(a.q_len) + " and " + std::to_string(a.k_len) + ")");
+  }
+  if (h2o == nullptr || received == nullptr || given == nullptr) {
+    return Status::Invalid(std::string(fn) + ": h2o, received and given must not be null");
+  }
+  KVSCOPE_RETURN_IF_ERROR(check_modality(k_modality, a.k_len, fn, "k_modality"));
+  const std::uint8_t* mk = k_modality;
+  const int T = a.k_len;
+  float* const outs[2] = {h2o, received};
+  // Each row adds exactly what accumulated_attention and cross_modal_interaction add.
+  accumulate_rows_n<2>(a, 0, a.q_len, outs, [&](int j, int i, const float* p, int limit, float* const* acc) {
+    const std::uint8_t qm = mk[i];
+    float* col = acc[0];
+    float* rec = acc[1];
+    float s = 0.0f;
+    for (int t = 0; t < limit; ++t) {
+      col[t] += p[t];
+      rec[t] += mk[t] != qm ? p[t] : 0.0f;
     }
-    count[t] = n;
-  }
-#pragma omp parallel for schedule(static) if (static_cast <double>(a.num_q_heads) * T >= kMinParallelWork)
-  for (std::ptrdiff_t e = 0; e < static_cast<std::ptrdiff_t>(a.num_q_heads) * T; ++e) {
-    const int n = count[e % T];
-    received[e] = n > 0 ? received[e] / static_cast<float>(n) : 0.0f;
-  }
+    for (int t = 0; t < limit; ++t) s += mk[t] != qm ? p[t] : 0.0f;  // in t order, as cross_modal_interaction
+    given[static_cast<std::size_t>(j) * T + i] = s;
+  });
+  divide_by_other_modality_queries(a, mk, mk, received);
   return Status::Ok();
 }
 

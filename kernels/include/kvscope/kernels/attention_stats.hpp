@@ -93,6 +93,13 @@ Status reduce_to_kv_heads(const float* in, int num_q_heads, int num_kv_heads, in
 // are skipped for max). out: [num_q_heads, k_len] float.
 Status snapkv_scores(const AttentionProblem& a, const SnapKVParams& params, float* out);
 
+// The two halves of snapkv_scores, for callers that store the window sums (trace format 1.2
+// /aggregates, docs/trace-format.md): sums[j, t] = sum over the last `window` query rows of
+// p_j(i, t) ([num_q_heads, k_len]; the same sums snapkv_scores pools), and the pooling of such sums
+// ([heads, len] -> [heads, len]) exactly as snapkv_scores pools them (params.window is not read).
+Status snapkv_window_sums(const AttentionProblem& a, int window, float* sums);
+Status snapkv_pool(const float* sums, int heads, int len, const SnapKVParams& params, float* out);
+
 // TOVA: attention row of the last query, out[j, t] = p_j(q_len - 1, t).
 // out: [num_q_heads, k_len] float.
 Status tova_scores(const AttentionProblem& a, float* out);
@@ -113,5 +120,12 @@ Status attention_row_stats(const AttentionProblem& a, const std::uint8_t* k_moda
 // received, given: [num_q_heads, k_len] float (either may be nullptr).
 Status cross_modal_interaction(const AttentionProblem& a, const std::uint8_t* k_modality,
                                const std::uint8_t* q_modality, float* received, float* given);
+
+// H2O and cross-modal interaction of a prefill from one pass over the attention rows: the same
+// values as accumulated_attention(a, {0, -1}, h2o) and cross_modal_interaction(a, k_modality,
+// nullptr, received, given) (the same row blocks, sums and block order), for half the work of the
+// two calls. h2o, received, given: [num_q_heads, k_len] float, none may be nullptr; q_len == k_len.
+Status prefill_attention_sums(const AttentionProblem& a, const std::uint8_t* k_modality, float* h2o,
+                              float* received, float* given);
 
 }  // namespace kvscope::kernels::cpu

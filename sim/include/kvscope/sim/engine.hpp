@@ -9,6 +9,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -54,6 +55,26 @@ struct TraceContext {
   int query_steps_for = -1;  // the S query_steps were counted for (-1: not counted)
   // Whether decode step s is in query set `set`.
   bool in_query_set(int set, int s) const;
+
+  // Stored attention aggregates (trace format 1.2, /aggregates; docs/trace-format.md section 3a). The
+  // definition when the trace has complete ones that fit its geometry; read_layer_data then reads each
+  // layer's and LayerData uses a stored statistic where a stage's definition equals it (the same
+  // window, redundancy radii, context length T), recomputing otherwise. Aggregates that are incomplete,
+  // malformed or corrupt are ignored with a warning (aggregate_warnings) and recomputed.
+  std::optional<trace::AggregateDefinition> aggregates;
+  int aggregate_window = 0;                     // their window (kept when a bad layer resets them)
+  std::string aggregates_absent;                // why none are used, e.g. "the trace has no /aggregates"
+  std::vector<std::string> aggregate_warnings;  // for the run's warnings
+  // Per statistic ("h2o", "snapkv window sums", ...): layers that used the stored values, layers that
+  // recomputed, and why they recomputed.
+  struct StatisticUse {
+    int stored = 0, recomputed = 0;
+    std::string reason;
+  };
+  std::map<std::string, StatisticUse> statistic_use;
+  void note_statistic(const std::string& name, bool stored, const std::string& reason = "");
+  // One line for the run's output: "stored /aggregates (window 32) for h2o, ...; recomputed: ...".
+  std::string attention_statistics_summary() const;
 
   static TraceContext from_reader(const trace::TraceReader& reader);
   const kernels::NeighbourTable& neighbour_lists(int seq_radius, int grid_radius);
@@ -158,6 +179,13 @@ class LayerData {
   const std::vector<float>& stage_statistic(const std::string& key, bool reads_prefill,
                                             const std::function<std::vector<float>(LayerData&)>& compute);
 
+  // The layer's stored attention aggregates (read_layer_data sets them when ctx.aggregates fits).
+  void set_stored_aggregates(trace::LayerAttentionAggregates stored,
+                             const trace::AggregateDefinition& definition) {
+    stored_ = std::move(stored);
+    stored_definition_ = definition;
+  }
+
   // Drops the trace's prefill tensors once every statistic the points need from them is
   // computed (prepare() or prepare_prefill_statistics()): afterwards only the float32 copy
   // (k_all / v_all, built here if it was not yet, dropping each trace tensor once converted) and
@@ -193,6 +221,10 @@ class LayerData {
   std::map<float, MergedHeads> merged_;
   std::map<std::string, std::vector<float>> stage_stats_;
   void require_prefill(const char* what) const;
+  std::optional<trace::LayerAttentionAggregates> stored_;
+  trace::AggregateDefinition stored_definition_;  // of stored_
+  // Why a stored statistic does not apply ("" = it does): no stored aggregates for this layer.
+  std::string stored_unusable() const;
   // Trace tensors [Hkv, T, D] and [Hkv, S, D] -> float32 [Hkv, T + S, D] (k_all's layout).
   void fill_all(const trace::Tensor& prefill, const trace::Tensor& decode, std::vector<float>& out) const;
 };

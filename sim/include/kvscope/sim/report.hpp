@@ -41,6 +41,7 @@ struct ResultsMeta {
   bool has_roles = false;
   std::int64_t steps_in_context = 0;
   std::array<std::int64_t, kQuerySets> query_set_steps{};
+  std::string attention_statistics;        // stored /aggregates or recomputed (SweepOutput); "" = not said
   std::string command_line;                // the kvsim invocation, shell-quoted
   std::string created;                     // ISO-8601 UTC; empty = time of writing
 };

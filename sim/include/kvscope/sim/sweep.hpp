@@ -93,6 +93,9 @@ struct SweepOutput {
   // The replay's shape (question_in_context moves steps into the context).
   int context_tokens = 0, decode_steps = 0, steps_in_context = 0;
   bool has_roles = false;                         // the trace records token roles
+  // Where the prefill attention statistics came from (TraceContext::attention_statistics_summary):
+  // stored /aggregates, recomputed, and why.
+  std::string attention_statistics;
   std::array<int, kQuerySets> query_set_steps{};  // decode steps of each query set
 };
 

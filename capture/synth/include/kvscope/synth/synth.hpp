@@ -36,6 +36,7 @@ struct SynthOptions {
   int text = -1;          // -1 = preset default
   int audio = 0;          // audio tokens (one clip), 0 = none
   int decode = -1;        // -1 = preset default
+  int layers = -1;        // -1 = preset default; fewer layers keep the preset's heads and head_dim
   std::uint64_t seed = 0;
   trace::DType dtype = trace::DType::kF16;
   int deflate = 0;        // gzip level for tensors (0 = none)

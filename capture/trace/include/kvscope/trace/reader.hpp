@@ -62,6 +62,14 @@ class TraceReader {
   LayerTensors read_decode_layer(int layer) const;
   // Precomputed aggregates if the trace has them.
   std::optional<LayerAggregates> read_aggregates(int layer) const;
+  // Stored attention aggregates (format 1.2, /aggregates; docs/trace-format.md section 3a). The
+  // structure check of the constructor does not look at them: a reader that can recompute them
+  // decides what a bad aggregate means (kvsim warns and recomputes; kvcap validate fails).
+  AggregateState aggregate_state() const;
+  // The definition attributes; throws TraceError naming the attribute when one is missing or malformed.
+  AggregateDefinition aggregate_definition() const;
+  // One layer's datasets, checked against `definition` (shapes; values finite and in range).
+  LayerAttentionAggregates read_attention_aggregates(int layer, const AggregateDefinition& definition) const;
   // /profile records (empty if the trace has none).
   Profile read_profile() const;
 

@@ -35,6 +35,10 @@ inline constexpr int kNumRoles = 4;
 // "context", "question", "answer", "template"; "?" for another code.
 const char* role_name(int role);
 
+// The minor version of a trace with stored attention aggregates (/aggregates, section 3a of
+// docs/trace-format.md).
+inline constexpr int kVersionMinorAggregates = 2;
+
 // Parses a `version` attribute of a kvscope file (traces and results): exactly MAJOR.MINOR, one to
 // six digits each side of one dot, nothing else (no spaces, signs, suffixes or third component).
 bool parse_version(const std::string& text, int& major, int& minor);
@@ -110,6 +114,44 @@ struct LayerAggregates {
   std::vector<float> attn_colsum;  // [Hq, T] sum over causal prefill queries of attention to each key
   std::vector<float> attn_window;  // [Hq, W, T] attention rows of the last W prefill queries
   int window = 0;                  // W
+};
+
+// Trace format 1.2: attention statistics of the prefill stored once (/aggregates; docs/trace-format.md
+// section 3a), with the definition they were computed under, so that a reader uses them only where its
+// own definition is the same. Every statistic is over the causal prefill attention of one layer:
+//   p_j(i, t) = softmax_t(softmax_scale * q_j,i . k_h,t) over the keys t with position[t] <= position[i]
+// (query head j reads kv head h = j / gqa_group; /tokens/position), accumulated in float32.
+inline constexpr const char* kAggregatesGroup = "/aggregates";
+// The formulas below, versioned: a reader uses stored aggregates only with this exact name.
+inline constexpr const char* kAggregateDefinitionName = "kvscope-attention-aggregates-1";
+std::string aggregate_layer_group_name(int layer);  // "/aggregates/007"
+
+struct AggregateDefinition {
+  std::string definition = kAggregateDefinitionName;
+  int num_layers = 0, num_tokens = 0;  // L, T (the context the statistics are over)
+  int num_q_heads = 0, num_kv_heads = 0, gqa_group = 1;
+  double softmax_scale = 0;             // float32(1 / sqrt(head_dim)), the factor of q.k in the logits
+  bool causal = true;                   // key t visible to query i iff position[t] <= position[i]
+  int window = 0;                       // W of window_sum: the last W prefill queries (1 <= W <= T)
+  int seq_radius = 4, grid_radius = 1;  // neighbourhood of redundancy
+  std::string input_dtype;              // the trace's tensor dtype, converted exactly to float32
+  std::string accumulate_dtype = "float32";
+  std::string creator;  // program that computed them (informational)
+};
+// The aggregates of one layer, float32. [Hq, T] unless noted; query head j, key (token) t:
+struct LayerAttentionAggregates {
+  std::vector<float> h2o;             // sum over every prefill query i of p_j(i, t)
+  std::vector<float> window_sum;      // sum over the last W queries i >= T - W of p_j(i, t)
+  std::vector<float> last_query;      // p_j(T - 1, t)
+  std::vector<float> cross_received;  // mean over the queries i of another modality that see t of p_j(i, t)
+  std::vector<float> cross_given;     // sum over the keys u of another modality than token t of p_j(t, u)
+  std::vector<float> redundancy;  // [Hkv, T] max key cosine of t to its neighbours (kernels::cpu::redundancy)
+};
+// State of a trace's /aggregates group.
+enum class AggregateState {
+  kAbsent,      // no /aggregates
+  kIncomplete,  // /aggregates@complete is not 1: a writer stopped (or is still writing); never use
+  kPresent,     // complete: every layer's datasets were written
 };
 
 // /profile records (CUPTI kernels / memcpys, NVTX or steady-clock ranges).

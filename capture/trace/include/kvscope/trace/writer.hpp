@@ -35,6 +35,11 @@ class TraceWriter {
   void write_token_roles(const std::vector<std::uint8_t>& role);
   // Optional /layers/NNN/attn_colsum and attn_window.
   void write_layer_aggregates(int layer, const LayerAggregates& aggregates);
+  // /aggregates/NNN (format 1.2, docs/trace-format.md section 3a): the first call creates /aggregates
+  // with `definition`'s attributes and complete = 0 (every call must pass the same definition, for
+  // this trace's geometry and T); close() sets complete = 1 when every layer has them, else leaves 0.
+  void write_attention_aggregates(int layer, const AggregateDefinition& definition,
+                                  const LayerAttentionAggregates& aggregates);
   // /decode/layers/NNN/{q,k,v}: q [Hq, S, D], k and v [Hkv, S, D].
   void write_decode_layer(int layer, const TensorView& q, const TensorView& k, const TensorView& v);
   // /decode/tokens: generated token ids [S] and positions [S] (modality text).
