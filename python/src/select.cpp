@@ -79,16 +79,34 @@ py::dict head_result_dict(const sim::HeadResult& h) {
   return d;
 }
 
-struct Prefill {
-  std::unique_ptr<sim::PrefillCompressor> c;
-  trace::ModelGeometry g;
-};
-
-struct Decode {
-  std::unique_ptr<sim::DecodeCompressor> c;
+// A compressor with the geometry and context length it was made for.
+template <typename Compressor>
+struct Holder {
+  std::unique_ptr<Compressor> c;
   trace::ModelGeometry g;
   int T = 0;  // context tokens
 };
+using Prefill = Holder<sim::PrefillCompressor>;
+using Decode = Holder<sim::DecodeCompressor>;
+
+// Both compressors' constructor: (policy, budget, geometry, dtype, labels of the T context tokens).
+template <typename Compressor>
+void def_init(py::class_<Holder<Compressor>>& c) {
+  c.def(py::init([](const sim::PolicySpec& policy, const std::string& budget, int num_layers, int num_q_heads,
+                    int num_kv_heads, int head_dim, const std::string& dtype, const py::buffer& modality,
+                    const py::buffer& position, const py::buffer& segment, const py::buffer& grid_row,
+                    const py::buffer& grid_col) {
+          Holder<Compressor> h;
+          h.g = geometry_of(num_layers, num_q_heads, num_kv_heads, head_dim);
+          const sim::ContextLabels labels = labels_from(modality, position, segment, grid_row, grid_col);
+          h.T = labels.size();
+          h.c = std::make_unique<Compressor>(policy, budget_of(budget), h.g, parse_dtype(dtype), labels);
+          return h;
+        }),
+        py::arg("policy"), py::arg("budget"), py::arg("num_layers"), py::arg("num_q_heads"),
+        py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("dtype"), py::arg("modality"),
+        py::arg("position"), py::arg("segment"), py::arg("grid_row"), py::arg("grid_col"));
+}
 
 std::vector<float> layer_tensor(const py::buffer& x, int heads, int T, int D, const std::string& what) {
   std::vector<py::ssize_t> shape;
@@ -103,25 +121,13 @@ std::vector<float> layer_tensor(const py::buffer& x, int heads, int T, int D, co
 }  // namespace
 
 void bind_select(py::module_& m) {
-  py::class_<Prefill>(m, "PrefillCompressor")
-      .def(py::init([](const sim::PolicySpec& policy, const std::string& budget, int num_layers,
-                       int num_q_heads, int num_kv_heads, int head_dim, const std::string& dtype,
-                       const py::buffer& modality, const py::buffer& position, const py::buffer& segment,
-                       const py::buffer& grid_row, const py::buffer& grid_col) {
-             Prefill p;
-             p.g = geometry_of(num_layers, num_q_heads, num_kv_heads, head_dim);
-             p.c = std::make_unique<sim::PrefillCompressor>(
-                 policy, budget_of(budget), p.g, parse_dtype(dtype),
-                 labels_from(modality, position, segment, grid_row, grid_col));
-             return p;
-           }),
-           py::arg("policy"), py::arg("budget"), py::arg("num_layers"), py::arg("num_q_heads"),
-           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("dtype"), py::arg("modality"),
-           py::arg("position"), py::arg("segment"), py::arg("grid_row"), py::arg("grid_col"))
+  py::class_<Prefill> prefill(m, "PrefillCompressor");
+  def_init(prefill);
+  prefill
       .def(
           "compress_layer",
           [](Prefill& p, int layer, const py::buffer& q, const py::buffer& k, const py::buffer& v) {
-            const int T = p.c->context().T, D = p.g.head_dim;
+            const int T = p.T, D = p.g.head_dim;
             std::vector<float> qv = layer_tensor(q, p.g.num_q_heads, T, D, "q");
             std::vector<float> kv = layer_tensor(k, p.g.num_kv_heads, T, D, "k");
             std::vector<float> vv = layer_tensor(v, p.g.num_kv_heads, T, D, "v");
@@ -147,22 +153,9 @@ void bind_select(py::module_& m) {
       .def_property_readonly("warnings", [](const Prefill& p) { return p.c->warnings(); })
       .def_property_readonly("policy", [](const Prefill& p) { return p.c->policy().name; });
 
-  py::class_<Decode>(m, "DecodeCompressor")
-      .def(py::init([](const sim::PolicySpec& policy, const std::string& budget, int num_layers,
-                       int num_q_heads, int num_kv_heads, int head_dim, const std::string& dtype,
-                       const py::buffer& modality, const py::buffer& position, const py::buffer& segment,
-                       const py::buffer& grid_row, const py::buffer& grid_col) {
-             Decode d;
-             d.g = geometry_of(num_layers, num_q_heads, num_kv_heads, head_dim);
-             const sim::ContextLabels labels = labels_from(modality, position, segment, grid_row, grid_col);
-             d.T = labels.size();
-             d.c = std::make_unique<sim::DecodeCompressor>(policy, budget_of(budget), d.g, parse_dtype(dtype),
-                                                           labels);
-             return d;
-           }),
-           py::arg("policy"), py::arg("budget"), py::arg("num_layers"), py::arg("num_q_heads"),
-           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("dtype"), py::arg("modality"),
-           py::arg("position"), py::arg("segment"), py::arg("grid_row"), py::arg("grid_col"))
+  py::class_<Decode> decode(m, "DecodeCompressor");
+  def_init(decode);
+  decode
       .def(
           "set_prefill",
           [](Decode& d, int layer, const py::buffer& q, const py::buffer& k, const py::buffer& v) {

@@ -101,17 +101,10 @@ class LayerSelection:
         return int(sum(h.bytes_full for h in self.heads))
 
 
-class PrefillCompressor:
-    """Compresses a run's prefill cache layer by layer with a prefill-mode policy, as the C++ closed loop
-    (``kvcap eval``) does.
+class _Compressor:
+    """What both compressors share: the policy, the labels of the T context tokens and the native object."""
 
-    policy: a name (``"h2o"``, ``"snapkv+int8"``, a custom scorer) or ``kvscope.sim.policy(...)``; budget: a
-    fraction of tokens (0.3), "512tok" or bytes ("64MiB"); None for budget-free policies. Geometry: the
-    model's num_layers, num_q_heads, num_kv_heads, head_dim. Labels of the T context tokens: modality (codes
-    0-3 or names "text"/"vision"/"audio"/"special"), position (default 0..T-1), segment (default 0), grid_row
-    / grid_col (patch grid of vision tokens, default -1). dtype: the element type bytes are accounted in
-    ("float32", or "float16" to match a float16 trace's kvsim bytes). Raises PolicyError for unknown
-    policies, decode-time policies (use DecodeCompressor) and the oracle-topk bound."""
+    _native = None  # the kvscope._core class
 
     def __init__(
         self,
@@ -134,9 +127,35 @@ class PrefillCompressor:
         labels = _labels(modality, position, segment, grid_row, grid_col)
         self.num_kv_heads = num_kv_heads
         self.T = int(labels[0].shape[0])
-        self._c = core.PrefillCompressor(
+        self._c = self._native(
             spec, _budget_text(budget), num_layers, num_q_heads, num_kv_heads, head_dim, dtype, *labels
         )
+
+    @property
+    def warnings(self) -> list:
+        """The replay's warnings (e.g. a budget raised to the forced set)."""
+        return self._c.warnings
+
+    @property
+    def policy(self) -> str:
+        """The policy's canonical name."""
+        return self._c.policy
+
+
+class PrefillCompressor(_Compressor):
+    """Compresses a run's prefill cache layer by layer with a prefill-mode policy, as the C++ closed loop
+    (``kvcap eval``) does.
+
+    policy: a name (``"h2o"``, ``"snapkv+int8"``, a custom scorer) or ``kvscope.sim.policy(...)``; budget: a
+    fraction of tokens (0.3), "512tok" or bytes ("64MiB"); None for budget-free policies. Geometry: the
+    model's num_layers, num_q_heads, num_kv_heads, head_dim. Labels of the T context tokens: modality (codes
+    0-3 or names "text"/"vision"/"audio"/"special"), position (default 0..T-1), segment (default 0), grid_row
+    / grid_col (patch grid of vision tokens, default -1). dtype: the element type bytes are accounted in
+    ("float32", or "float16" to match a float16 trace's kvsim bytes). Raises PolicyError for unknown
+    policies, decode-time policies (use DecodeCompressor) and the oracle-topk bound."""
+
+    _native = core.PrefillCompressor
+
 
     def compress_layer(self, layer: int, q, k, v) -> LayerSelection:
         """Compresses layer `layer` (layers in order 0, 1, ...): q [Hq, T, D] the layer's post-RoPE prefill
@@ -161,13 +180,6 @@ class PrefillCompressor:
         """The mean keep fraction of the budget (known after layer 0 for adaptive policies)."""
         return self._c.keep
 
-    @property
-    def warnings(self) -> list:
-        return self._c.warnings
-
-    @property
-    def policy(self) -> str:
-        return self._c.policy
 
 
 @dataclass
@@ -183,35 +195,13 @@ class ResidentLayer:
     heads: List[HeadStats]
 
 
-class DecodeCompressor:
+class DecodeCompressor(_Compressor):
     """A decode-time policy (``"h2o~decode:4"`` with a cap budget) on a live run, as the C++ closed loop runs
     it: `set_prefill` each layer's prefill tensors, `add_step` each decode step's q/k/v, `resident(layer)` the
     cache kvsim's decode-time replay keeps after the steps so far. Arguments as PrefillCompressor."""
 
-    def __init__(
-        self,
-        policy: PolicyLike,
-        budget: BudgetLike = None,
-        *,
-        num_layers: int,
-        num_q_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        modality: Labels,
-        position: Optional[Sequence[int]] = None,
-        segment: Optional[Sequence[int]] = None,
-        grid_row: Optional[Sequence[int]] = None,
-        grid_col: Optional[Sequence[int]] = None,
-        dtype: str = "float32",
-        policy_files: Sequence[str] = (),
-    ):
-        spec = _policy(policy, policy_files)
-        labels = _labels(modality, position, segment, grid_row, grid_col)
-        self.num_kv_heads = num_kv_heads
-        self.T = int(labels[0].shape[0])
-        self._c = core.DecodeCompressor(
-            spec, _budget_text(budget), num_layers, num_q_heads, num_kv_heads, head_dim, dtype, *labels
-        )
+    _native = core.DecodeCompressor
+
 
     def set_prefill(self, layer: int, q, k, v) -> None:
         """The layer's prefill tensors: q [Hq, T, D], k and v [Hkv, T, D] (post-RoPE q and k)."""
@@ -246,13 +236,6 @@ class DecodeCompressor:
     def cap_keep(self) -> float:
         return self._c.cap_keep
 
-    @property
-    def warnings(self) -> list:
-        return self._c.warnings
-
-    @property
-    def policy(self) -> str:
-        return self._c.policy
 
 
 __all__ = [
