@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <system_error>
 
 #include "kvscope/sim/report.hpp"
@@ -106,30 +107,39 @@ void write_rows(std::ostream& os, const PointResult& p, const std::string& layer
 
 }  // namespace
 
+void write_csv(std::ostream& os, const std::vector<PointResult>& points, const ResultsMeta& meta) {
+  const std::vector<int> modalities = reported_modalities(points, meta);
+  os << "policy,budget,layer,modality,bytes_full,bytes_kept,bytes_ratio,output_error,attention_recall,kl,"
+        "entropy_delta,flags,tokens,kept,merged,evicted,share_before,share_after,pareto,budget_value,"
+        "bytes_full_end,bytes_end,bytes_peak,mode,kind";
+  if (meta.has_roles) {
+    for (int k = 0; k < kQuerySets; ++k) {
+      const std::string set = query_set_name(k);
+      os << ",output_error_" << set << ",attention_recall_" << set << ",kl_" << set << ",entropy_delta_"
+         << set;
+    }
+  }
+  os << "\n";
+  for (const PointResult& p : points) {
+    for (const LayerResult& l : p.layers) {
+      write_rows(os, p, std::to_string(l.layer), l.total, flag_names(p, l.layer), modalities, meta.has_roles);
+    }
+    write_rows(os, p, "all", p.total, flag_names(p, -1), modalities, meta.has_roles);
+  }
+}
+
+std::string format_csv(const std::vector<PointResult>& points, const ResultsMeta& meta) {
+  std::ostringstream os;
+  write_csv(os, points, meta);
+  return os.str();
+}
+
 void write_csv(const std::string& path, const std::vector<PointResult>& points, const ResultsMeta& meta) {
   const std::string partial = path + ".partial";
-  const std::vector<int> modalities = reported_modalities(points, meta);
   {
     std::ofstream os(partial, std::ios::binary | std::ios::trunc);
     if (!os) throw ReportError(path, "cannot create " + partial);
-    os << "policy,budget,layer,modality,bytes_full,bytes_kept,bytes_ratio,output_error,attention_recall,kl,"
-          "entropy_delta,flags,tokens,kept,merged,evicted,share_before,share_after,pareto,budget_value,"
-          "bytes_full_end,bytes_end,bytes_peak,mode,kind";
-    if (meta.has_roles) {
-      for (int k = 0; k < kQuerySets; ++k) {
-        const std::string set = query_set_name(k);
-        os << ",output_error_" << set << ",attention_recall_" << set << ",kl_" << set << ",entropy_delta_"
-           << set;
-      }
-    }
-    os << "\n";
-    for (const PointResult& p : points) {
-      for (const LayerResult& l : p.layers) {
-        write_rows(os, p, std::to_string(l.layer), l.total, flag_names(p, l.layer), modalities,
-                   meta.has_roles);
-      }
-      write_rows(os, p, "all", p.total, flag_names(p, -1), modalities, meta.has_roles);
-    }
+    write_csv(os, points, meta);
     os.close();  // sets failbit when the final flush fails
     if (os.fail()) {
       std::remove(partial.c_str());

@@ -451,4 +451,39 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
   return out;
 }
 
+SweepPoint run_point(const PolicySpec& policy, Budget budget, std::string* ignored) {
+  ignored->clear();
+  const bool uses_budget = policy.compress_tokens && !policy.adaptive;
+  if (budget.kind == Budget::Kind::kNone && policy_needs_budget(policy)) {
+    const std::string& n = policy.name;
+    throw PolicyError("'" + n + "' needs a budget, e.g. " + n + "@0.3 (fraction kept), " + n + "@512tok or " +
+                      n + "@64MiB");
+  }
+  if (budget.kind != Budget::Kind::kNone && !uses_budget) {
+    *ignored = budget.text;
+    budget = Budget{};
+  }
+  if (budget.kind == Budget::Kind::kNone) budget.text = "-";
+  return {policy, budget};
+}
+
+SweepPoint run_point(const PolicyRegistry& registry, const std::string& policy_at_budget,
+                     std::string* ignored) {
+  auto [name, budget] = split_policy_budget(policy_at_budget);
+  return run_point(registry.get(name), budget, ignored);
+}
+
+ResultsMeta sweep_results_meta(const TraceSummary& summary, const SweepOutput& out,
+                               std::string command_line) {
+  ResultsMeta meta = results_meta(summary, std::move(command_line));
+  meta.has_roles = out.has_roles;
+  meta.steps_in_context = out.steps_in_context;
+  meta.num_tokens = out.context_tokens;
+  meta.num_decode_steps = out.decode_steps;
+  meta.tokens_per_modality[static_cast<std::size_t>(kernels::Modality::kText)] += out.steps_in_context;
+  for (int k = 0; k < kQuerySets; ++k)
+    meta.query_set_steps[static_cast<std::size_t>(k)] = out.query_set_steps[static_cast<std::size_t>(k)];
+  return meta;
+}
+
 }  // namespace kvscope::sim

@@ -166,19 +166,12 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
       if (pols.empty()) throw PolicyError("--policies is empty");
       points = make_sweep_points(pols, parse_budget_list(vm["budgets"].as<std::string>()));
     } else {
-      auto [pname, budget] = split_policy_budget(vm["policy"].as<std::string>());
-      PolicySpec p = registry.get(pname);
-      const bool uses_budget = p.compress_tokens && !p.adaptive;
-      if (budget.kind == Budget::Kind::kNone && policy_needs_budget(p)) {
-        throw PolicyError("'" + pname + "' needs a budget, e.g. " + pname + "@0.3 (fraction kept), " + pname +
-                          "@512tok or " + pname + "@64MiB");
+      std::string ignored;
+      points.push_back(run_point(registry, vm["policy"].as<std::string>(), &ignored));
+      if (!ignored.empty()) {
+        std::cerr << name << ": warning: '" << points.back().policy.name << "' ignores the budget '"
+                  << ignored << "'\n";
       }
-      if (budget.kind != Budget::Kind::kNone && !uses_budget) {
-        std::cerr << name << ": warning: '" << pname << "' ignores the budget '" << budget.text << "'\n";
-        budget = Budget{};
-      }
-      if (budget.kind == Budget::Kind::kNone) budget.text = "-";
-      points.push_back({p, budget});
     }
   } catch (const PolicyError& e) {
     std::cerr << name << ": " << e.what() << "\n";
@@ -270,14 +263,7 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
         std::fflush(stdout);
       }
     }
-    ResultsMeta meta = results_meta(summary, argv_line);
-    meta.has_roles = out.has_roles;
-    meta.steps_in_context = out.steps_in_context;
-    meta.num_tokens = out.context_tokens;
-    meta.num_decode_steps = out.decode_steps;
-    meta.tokens_per_modality[static_cast<std::size_t>(kernels::Modality::kText)] += out.steps_in_context;
-    for (int k = 0; k < kQuerySets; ++k)
-      meta.query_set_steps[static_cast<std::size_t>(k)] = out.query_set_steps[static_cast<std::size_t>(k)];
+    const ResultsMeta meta = sweep_results_meta(summary, out, argv_line);
     if (vm.count("output")) {
       write_hdf5(vm["output"].as<std::string>(), out.points, meta);
       std::cout << "\nresults: " << vm["output"].as<std::string>() << "\n";

@@ -7,6 +7,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "custom.hpp"
 #include "kvscope/sim/policy.hpp"
 #include "stage.hpp"
 
@@ -42,6 +43,12 @@ Registry build_registry() {
 
 std::size_t kind_index(StageKind k) { return static_cast<std::size_t>(k); }
 
+std::vector<std::unique_ptr<Stage>>& runtime_stages() {
+  static std::vector<std::unique_ptr<Stage>> s;
+  return s;
+}
+const Registry* g_builtin = nullptr;  // registry(), once built
+
 }  // namespace
 
 void Registry::add(std::unique_ptr<Stage> stage) {
@@ -64,18 +71,49 @@ void Registry::add(std::unique_ptr<Stage> stage) {
 const Stage* Registry::find(StageKind kind, const std::string& name) const {
   for (const auto& s : stages_[kind_index(kind)])
     if (s->info().name == name) return s.get();
+  if (this == g_builtin) {  // the run-time stages (put_runtime_stage) join the built-in registry
+    for (const auto& s : runtime_stages())
+      if (s->info().kind == kind && s->info().name == name) return s.get();
+  }
   return nullptr;
 }
 
 std::vector<const Stage*> Registry::all(StageKind kind) const {
   std::vector<const Stage*> out;
   for (const auto& s : stages_[kind_index(kind)]) out.push_back(s.get());
+  if (this == g_builtin) {
+    for (const auto& s : runtime_stages())
+      if (s->info().kind == kind) out.push_back(s.get());
+  }
   return out;
 }
 
 const Registry& registry() {
   static const Registry r = build_registry();
+  g_builtin = &r;
   return r;
+}
+
+// ---- run-time stages (custom.hpp): kept apart from the built-ins, found after them by registry()
+void put_runtime_stage(std::unique_ptr<Stage> stage) {
+  const StageInfo& info = stage->info();
+  if (registry().find(info.kind, info.name) && !is_runtime_stage(info.kind, info.name)) {
+    throw PolicyError(std::string("cannot register ") + stage_kind_name(info.kind) + " '" + info.name +
+                      "': a built-in " + stage_kind_name(info.kind) + " has that name");
+  }
+  for (auto& s : runtime_stages()) {
+    if (s->info().kind == info.kind && s->info().name == info.name) {
+      s = std::move(stage);
+      return;
+    }
+  }
+  runtime_stages().push_back(std::move(stage));
+}
+
+bool is_runtime_stage(StageKind kind, const std::string& name) {
+  for (const auto& s : runtime_stages())
+    if (s->info().kind == kind && s->info().name == name) return true;
+  return false;
 }
 
 namespace {

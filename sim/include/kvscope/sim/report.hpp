@@ -3,6 +3,7 @@
 #pragma once
 
 #include <array>
+#include <iosfwd>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -74,6 +75,9 @@ std::string format_table(const std::vector<PointResult>& points, const TableOpti
 // CSV: one row per point x (each layer, then "all") x (each reported modality, then "all").
 // Written to path + ".partial" and renamed; throws ReportError (leaving no file) on failure.
 void write_csv(const std::string& path, const std::vector<PointResult>& points, const ResultsMeta& meta);
+// The same CSV text, to a stream / as a string (the Python package's DataFrames read it).
+void write_csv(std::ostream& os, const std::vector<PointResult>& points, const ResultsMeta& meta);
+std::string format_csv(const std::vector<PointResult>& points, const ResultsMeta& meta);
 
 // HDF5 results file (format "kvscope-results", version 1.2), written to path + ".partial" and
 // renamed when complete; throws ReportError (leaving no file) on failure.

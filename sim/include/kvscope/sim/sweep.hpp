@@ -9,7 +9,9 @@
 #include <vector>
 
 #include "kvscope/sim/engine.hpp"
+#include "kvscope/sim/info.hpp"
 #include "kvscope/sim/policy.hpp"
+#include "kvscope/sim/report.hpp"
 #include "kvscope/sim/results.hpp"
 #include "kvscope/trace/reader.hpp"
 
@@ -114,6 +116,18 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
 // metric, when any quality metric or token score of `out` is not finite (NaN or infinite): such a
 // value must never reach a table or a results file. run_sweep calls it on its output.
 void check_finite(const SweepOutput& out, const std::string& source);
+
+// The one point of `kvsim run` (and kvscope.sim.run): "NAME" or "NAME@BUDGET" from `registry`. Throws
+// PolicyError when the policy needs a budget and has none; a budget the policy ignores (quantizers,
+// adaptive) is dropped and its text returned in *ignored (else *ignored is emptied).
+SweepPoint run_point(const PolicyRegistry& registry, const std::string& policy_at_budget,
+                     std::string* ignored);
+// The same with the policy and the budget given apart (budget kind kNone: none).
+SweepPoint run_point(const PolicySpec& policy, Budget budget, std::string* ignored);
+
+// The results files' meta of a sweep: the trace's (results_meta) with the replay's shape (the context and
+// evaluation steps after --question-in-context, roles and query sets).
+ResultsMeta sweep_results_meta(const TraceSummary& summary, const SweepOutput& out, std::string command_line);
 
 // Adds `src` into `dst`: byte and token counts summed, quality weighted by `w`.
 void accumulate(HeadResult& dst, const HeadResult& src, double w);

@@ -1,0 +1,14 @@
+"""The compiled extension kvscope._core, with a clear error when it is not built."""
+
+try:
+    from kvscope import _core  # noqa: F401
+except ImportError as exc:  # pragma: no cover - depends on the installation
+    raise ImportError(
+        "kvscope's compiled extension kvscope._core is not importable (" + str(exc) + "): install the "
+        "package with `pip install .` from the kvscope repository, or build it (scripts/build) and put "
+        "<build>/python and capture/python on PYTHONPATH"
+    ) from exc
+
+core = _core
+
+__all__ = ["core"]
