@@ -501,3 +501,9 @@ def apply_policy(model, policy, budget=None, **kwargs):
     from .hf_policy import apply_policy as apply
     return apply(model, policy, budget, **kwargs)
 
+
+def prefill(model, input_ids):
+    """kvscope.hf_policy.Prefill: one uncompressed prefill to continue several apply_policy runs from."""
+    from .hf_policy import Prefill
+    return Prefill(model, input_ids)
+
