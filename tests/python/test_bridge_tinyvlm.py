@@ -116,14 +116,14 @@ class BridgeTinyVlmTest(unittest.TestCase):
             with bridge.capture(model, path, tokens=bridge.TokenTable(**ctx), token_text=vocab.tokens) as cap, \
                     torch.no_grad():
                 first = len(ids) if name == "whole" else T
-                logits, past = model.forward(ids_t[:first], images, return_cache=True)
+                logits, past = model(ids_t[:first], images, return_cache=True)
                 at = first
                 for c in chunks:
-                    logits, past = model.forward(ids_t[at:at + c], None, past=past, start_pos=at,
+                    logits, past = model(ids_t[at:at + c], None, past=past, start_pos=at,
                                                  return_cache=True)
                     at += c
                 nxt = torch.argmax(logits[-1]).reshape(1)
-                model.forward(nxt, None, past=past, start_pos=at, return_cache=True)
+                model(nxt, None, past=past, start_pos=at, return_cache=True)
                 if name != "whole":
                     cap.set_decode_roles([1] * (n - 1) + [3, 2])
             self.assertEqual(validate(path)[0], 0, validate(path)[1])

@@ -26,9 +26,9 @@ int tasks_command(const std::vector<std::string>& args) {
       "kvcap tasks --task NAME [--length N] [--samples N] [--seed S] [-o FILE]\n"
       "kvcap tasks --suite\n\n"
       "Writes long-context task prompts (docs/tasks.md) as JSON lines, one sample a line: task, length,\n"
-      "seed, index, user (the user message), answer_prefix (pre-filled assistant text), answer, "
-      "needle_char,\n"
-      "needle_token, depth, tokens. Tasks: " +
+      "seed, index, user (the user message), question, context_char and question_char (byte offsets in\n"
+      "user where the haystack and the question start; docs/tasks.md \"Roles\"), answer_prefix (pre-filled\n"
+      "assistant text), answer, needle_char, needle_token, depth, tokens. Tasks: " +
       closedloop::task_names_list() +
       ".\n"
       "Lengths count tokens of --model's tokenizer (tokenizer.json), else 4.8 bytes a token (approximate).\n"
@@ -88,6 +88,9 @@ int tasks_command(const std::vector<std::string>& args) {
                               {"seed", s.seed},
                               {"index", s.index},
                               {"user", s.user},
+                              {"question", s.question},
+                              {"context_char", s.context_char},
+                              {"question_char", s.question_char},
                               {"answer_prefix", s.answer_prefix},
                               {"answer", s.answer},
                               {"needle_char", s.needle_char},

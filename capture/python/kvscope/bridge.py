@@ -7,7 +7,8 @@
     # t.h5 is complete here; had `generate` raised, the trace would be left incomplete (aborted) and the
     # exception would propagate.
 
-While the block runs, every attention module of the model is wrapped (instance-level `forward` wrappers,
+While the block runs, the adapter's hooks are attached to the model (PyTorch forward hooks and, for
+transformers models, kvscope's attention function registered with transformers' AttentionInterface; all
 removed on exit). The first forward of the model is the prefill: it must cover exactly the context
 tokens given in `tokens`; each later forward (a KV-cache forward) feeds one or more tokens, each recorded
 as one decode step: a forward of n tokens (a question fed after the context, chunked prefill) is decode
@@ -19,13 +20,13 @@ docs/trace-format.md) are optional: `TokenTable.role` for the context, `cap.set_
 the block for the decode steps. Tensors go to the library as they are: host tensors as host
 pointers with their strides (no copy), CUDA tensors as device pointers on the current stream.
 
-Adapters say where a model keeps its attention: `TinyVlmAdapter` (kvscope.tinyvlm, q taken from the rotary
-embedding's output) and, in kvscope.hf, LLaMA-family and LLaVA models from `transformers` (post-RoPE K/V
-from the model's cache, q recomputed with the module's own q_proj and rotary embedding).
+Adapters say where a model keeps its attention: `TinyVlmAdapter` (kvscope.tinyvlm: forward hooks on the
+rotary embedding and the attention modules) and, in kvscope.hf, transformers LLaMA-family, Qwen2, LLaVA
+and Qwen2-VL models (q, k, v as the model's attention function receives them, through
+transformers.AttentionInterface).
 """
 
 import contextlib
-import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -49,7 +50,7 @@ class TokenTable:
     segment: List[int]  # image index for image tokens; for text, the number of images before it
     grid_row: List[int]  # patch grid row of vision tokens, -1 otherwise
     grid_col: List[int]
-    text: Optional[List[str]] = None  # per-token text ("" for patches) or None
+    text: Optional[List[Union[str, bytes]]] = None  # per-token text ("" for patches) or None
     role: Optional[List[int]] = None  # per-token role (0 context, 1 question, 2 answer, 3 template) or None
 
     def __len__(self) -> int:
@@ -82,13 +83,18 @@ class TokenTable:
             text=None if text_of is None else [text_of(i) for i in ids])
 
 
-def _text_fn(token_text: TokenText) -> Optional[Callable[[int], str]]:
+def _as_text(x):
+    return x if isinstance(x, (bytes, bytearray)) else str(x)
+
+
+def _text_fn(token_text: TokenText) -> Optional[Callable[[int], Union[str, bytes]]]:
+    """id -> text (str, or bytes for a byte-level token that is part of a UTF-8 character)."""
     if token_text is None:
         return None
     if callable(token_text):
-        return lambda i: str(token_text(int(i)))
+        return lambda i: _as_text(token_text(int(i)))
     table = token_text
-    return lambda i: str(table[int(i)]) if 0 <= int(i) < len(table) else ""
+    return lambda i: _as_text(table[int(i)]) if 0 <= int(i) < len(table) else ""
 
 
 def tinyvlm_prompt(vocab, config, question: str, n_images: int) -> Tuple[List[int], TokenTable]:
@@ -126,15 +132,23 @@ def tinyvlm_prompt(vocab, config, question: str, n_images: int) -> Tuple[List[in
 # ---- recording ---------------------------------------------------------------------------------------------
 class Recorder:
     """Turns the adapters' per-forward, per-layer reports into C API calls, checking the run's shape.
-    The first error stops recording (later reports are ignored) and is re-raised when the block ends."""
+    The first error stops recording (later reports are ignored) and is re-raised when the block ends.
+
+    Adapters call `begin_forward(input_ids)` / `end_forward()` around every forward of the whole model and
+    `layer(...)` once per decoder layer and forward."""
 
     def __init__(self, cap: Capture, num_layers: int, tokens: TokenTable, token_text: TokenText):
         self.cap = cap
         self.num_layers = num_layers
+        self.tokens = tokens
         self.T = len(tokens)
         self.text_of = _text_fn(token_text)
         self.prefilled = False
         self.decode_steps = 0
+        # Position id of the next decode step: T for models with 1-D positions; None where the model picks
+        # the first one (M-RoPE), which must then be at least min_next_position.
+        self.next_position: Optional[int] = self.T
+        self.min_next_position = self.T
         self.error: Optional[BaseException] = None
         self._in_forward = False
         self._fed_ids: List[int] = []  # the ids of the current decode forward (-1 where not known)
@@ -145,15 +159,25 @@ class Recorder:
     def active(self) -> bool:
         return self.error is None and self.cap.is_open
 
+    @property
+    def in_forward(self) -> bool:
+        return self._in_forward
+
+    def seen_any(self) -> bool:
+        """Whether a layer of the current forward has been recorded."""
+        return any(self._seen)
+
     def fail(self, message: str) -> None:
         raise BridgeError(f"{self.cap.path}: {message}")
 
-    @contextlib.contextmanager
-    def forward(self, input_ids=None):
-        """Wraps one forward of the whole model; input_ids (any shape) tells the decode step's token."""
+    def _record_error(self, e: BaseException) -> None:
+        self.error = self.error or e
+
+    def begin_forward(self, input_ids=None) -> bool:
+        """Start of one forward of the whole model; input_ids (any shape) tells the decode steps' tokens.
+        Returns False (and records nothing) when not recording or already inside a forward."""
         if not self.active or self._in_forward:
-            yield
-            return
+            return False
         try:
             if self.prefilled:
                 self._fed_ids = [] if input_ids is None else [int(i) for i in input_ids.reshape(-1)]
@@ -165,21 +189,18 @@ class Recorder:
             self._in_forward = True
             self.cap.range_push(name)
         except BaseException as e:
-            self.error = self.error or e
+            self._record_error(e)
             raise
-        try:
-            yield
-        except BaseException as e:
-            self.error = self.error or e
-            raise
-        finally:
-            self._in_forward = False
-            if self.cap.is_open:
-                self.cap.range_pop()
-        self._end_forward()
+        return True
 
-    def _end_forward(self) -> None:
-        if not self.active:
+    def end_forward(self, failed: bool = False) -> None:
+        """End of the forward begun by begin_forward (failed: it raised)."""
+        if not self._in_forward:
+            return
+        self._in_forward = False
+        if self.cap.is_open:
+            self.cap.range_pop()
+        if failed or not self.active:
             return
         missing = [i for i, seen in enumerate(self._seen) if not seen]
         try:
@@ -188,14 +209,29 @@ class Recorder:
                 self.fail(f"layers {missing} did not run during {phase}")
             if self.prefilled:
                 self.decode_steps += self._forward_tokens
+                self.next_position += self._forward_tokens
             self.prefilled = True
         except BaseException as e:
             self.error = e
             raise
 
+    @contextlib.contextmanager
+    def forward(self, input_ids=None):
+        """begin_forward / end_forward around a block."""
+        began = self.begin_forward(input_ids)
+        try:
+            yield
+        except BaseException as e:
+            if began:
+                self._record_error(e)
+                self.end_forward(failed=True)
+            raise
+        if began:
+            self.end_forward()
+
     def layer(self, layer: int, q, k, v, position: Optional[int] = None, batch: int = 1) -> None:
         """q [Hq, t, D], k/v [Hkv, t, D] (post-RoPE, batch element 0) of the tokens of the current forward;
-        `position` is the position id of the fed token (decode); `batch` the forward's batch size."""
+        `position` is the position id of the forward's last token (decode); `batch` the forward's batch."""
         if not self.active or not self._in_forward:
             return
         try:
@@ -218,63 +254,75 @@ class Recorder:
                     self.fail(f"decode step {step}: the model was fed {len(self._fed_ids)} tokens but layer "
                               f"{layer} got {t}")
                 self._forward_tokens = t
-                last = self.T + step + t - 1 if position is None else int(position)  # the last token's
-                if last - (t - 1) != self.T + step:
+                if self.next_position is None:  # the model's first decode position (M-RoPE)
+                    if position is None:
+                        self.fail(f"decode step {step}: the model's position ids are unknown")
+                    self.next_position = int(position) - (t - 1)
+                    if self.next_position < self.min_next_position:
+                        self.fail(f"decode step {step}: position {self.next_position} is inside the context "
+                                  f"(its positions reach {self.min_next_position - 1})")
+                first = self.next_position
+                last = first + t - 1 if position is None else int(position)  # the last token's position
+                if last - (t - 1) != first:
                     self.fail(f"decode step {step}: a forward of {t} tokens at positions {last - (t - 1)}.."
-                              f"{last} does not continue the cache at position {self.T + step} (a forward "
+                              f"{last} does not continue the cache at position {first} (a forward "
                               "without the KV cache, e.g. use_cache=False?); generate with the KV cache")
                 for j in range(t):
                     fed = self._fed_ids[j] if self._fed_ids else -1
                     text = None if self.text_of is None or fed < 0 else self.text_of(fed)
-                    self.cap.decode_token(step + j, fed, last - (t - 1) + j, text)
+                    self.cap.decode_token(step + j, fed, first + j, text)
             elif t != self._forward_tokens:
                 self.fail(f"decode step {step}: layer {layer} got {t} tokens, layer 0 got {self._forward_tokens}")
             for j in range(t):
                 self.cap.decode_layer(layer, step + j, q[:, j:j + 1], k[:, j:j + 1], v[:, j:j + 1])
         except BaseException as e:
-            self.error = self.error or e
+            self._record_error(e)
             raise
+
+    def attention_begin(self, layer: int) -> bool:
+        if not self.active or not self._in_forward:
+            return False
+        self.cap.range_push(f"layer {layer:03d}/attention")
+        return True
+
+    def attention_end(self) -> None:
+        if self.cap.is_open:
+            self.cap.range_pop()
 
     @contextlib.contextmanager
     def attention_range(self, layer: int):
-        if not self.active or not self._in_forward:
-            yield
-            return
-        self.cap.range_push(f"layer {layer:03d}/attention")
+        began = self.attention_begin(layer)
         try:
             yield
         finally:
-            if self.cap.is_open:
-                self.cap.range_pop()
+            if began:
+                self.attention_end()
 
 
-class Patcher:
-    """Instance-level `forward` wrappers, all removed by `restore()`."""
+class Hooks:
+    """What an adapter attached: PyTorch hook handles and undo functions, all removed by `remove()`."""
 
     def __init__(self):
-        self._patched: List[Tuple[Any, bool, Any]] = []
+        self._undo: List[Callable[[], None]] = []
 
-    def wrap(self, module, make_wrapper: Callable[[Callable], Callable]) -> None:
-        had_own = "forward" in vars(module)
-        original = module.forward
-        self._patched.append((module, had_own, vars(module).get("forward")))
-        module.forward = make_wrapper(original)
+    def add(self, handle) -> None:
+        """A torch.utils.hooks.RemovableHandle (from register_forward_hook and friends)."""
+        self._undo.append(handle.remove)
 
-    def restore(self) -> None:
-        while self._patched:
-            module, had_own, own = self._patched.pop()
-            if had_own:
-                module.forward = own
-            else:
-                del module.forward
+    def on_remove(self, undo: Callable[[], None]) -> None:
+        self._undo.append(undo)
+
+    def remove(self) -> None:
+        while self._undo:
+            self._undo.pop()()
 
 
-def bind_arguments(fn: Callable, args, kwargs) -> Dict[str, Any]:
-    """Arguments of a call of `fn` by name (defaults not filled in)."""
-    try:
-        return dict(inspect.signature(fn).bind_partial(*args, **kwargs).arguments)
-    except (TypeError, ValueError):
-        return dict(kwargs)
+def forward_ids(args, kwargs, name: str = "input_ids"):
+    """The ids a model's forward was called with (keyword `name` or the first positional argument)."""
+    ids = kwargs.get(name)
+    if ids is None and args:
+        ids = args[0]
+    return ids if hasattr(ids, "reshape") else None
 
 
 # ---- adapters ----------------------------------------------------------------------------------------------
@@ -288,23 +336,29 @@ class Adapter:
         """num_layers, num_q_heads, num_kv_heads, head_dim, rope_theta, model_name."""
         raise NotImplementedError
 
-    def attach(self, recorder: Recorder, patcher: Patcher) -> None:
+    def attach(self, recorder: Recorder, hooks: Hooks) -> None:
         raise NotImplementedError
 
-    def wrap_model_forward(self, recorder: Recorder, patcher: Patcher) -> None:
-        """Every call of the model's forward is one prefill / decode forward; input_ids says what was fed."""
-        def make(original):
-            def forward(*args, **kwargs):
-                ids = bind_arguments(original, args, kwargs).get("input_ids")
-                with recorder.forward(ids):
-                    return original(*args, **kwargs)
-            return forward
-        patcher.wrap(self.model, make)
+    def hook_model_forward(self, recorder: Recorder, hooks: Hooks, ids_name: str = "input_ids") -> None:
+        """Every call of the model is one prefill / decode forward (a forward pre-hook and a forward hook on
+        the model; a forward that raises is recorded as the error by the capture block)."""
+        def pre(module, args, kwargs):
+            recorder.begin_forward(forward_ids(args, kwargs, ids_name))
+
+        def post(module, args, kwargs, output):
+            if output is None and recorder.in_forward:  # the forward raised (always_call)
+                recorder.error = recorder.error or BridgeError(f"{recorder.cap.path}: the model's forward raised")
+                recorder.end_forward(failed=True)
+                return
+            recorder.end_forward()
+
+        hooks.add(self.model.register_forward_pre_hook(pre, with_kwargs=True))
+        hooks.add(self.model.register_forward_hook(post, with_kwargs=True, always_call=True))
 
 
 class TinyVlmAdapter(Adapter):
-    """kvscope.tinyvlm.TinyVlm: post-RoPE q and k from each layer's `rotary_emb` output, k/v of the new tokens
-    from the (k, v) cache the attention module returns."""
+    """kvscope.tinyvlm.TinyVlm: post-RoPE q from a forward hook on each layer's `rotary_emb`, the k/v of the
+    new tokens from the (k, v) cache the attention module returns (a forward hook on it)."""
 
     def geometry(self) -> Dict[str, Any]:
         c = self.model.config
@@ -315,37 +369,35 @@ class TinyVlmAdapter(Adapter):
                     num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, rope_theta=base,
                     model_name="kvscope-tiny-vlm")
 
-    def attach(self, recorder: Recorder, patcher: Patcher) -> None:
-        self.wrap_model_forward(recorder, patcher)
+    def attach(self, recorder: Recorder, hooks: Hooks) -> None:
+        self.hook_model_forward(recorder, hooks)
         for layer in self.model.model.layers:
             attn = layer.self_attn
             slot: Dict[str, Any] = {}
 
-            def make_rotary(original, slot=slot):
-                def forward(q, k, positions):
-                    q_rot, k_rot = original(q, k, positions)
-                    slot["q"], slot["positions"] = q_rot, positions
-                    return q_rot, k_rot
-                return forward
+            def rotary(module, args, output, slot=slot):
+                slot["q"], slot["positions"] = output[0], args[2]
 
-            def make_attention(original, idx=attn.layer_idx, slot=slot):
-                def forward(x, *args, **kwargs):
-                    with recorder.attention_range(idx):
-                        out, (k, v) = original(x, *args, **kwargs)
-                    q, pos = slot.pop("q", None), slot.pop("positions", None)
-                    if recorder.active and q is not None:
-                        t = x.shape[1]
-                        recorder.layer(idx, q[0], k[0, :, -t:], v[0, :, -t:],
-                                       None if pos is None else int(pos[-1]), batch=x.shape[0])
-                    return out, (k, v)
-                return forward
+            def attention_pre(module, args, idx=attn.layer_idx, slot=slot):
+                slot["range"] = recorder.attention_begin(idx)
 
-            patcher.wrap(attn.rotary_emb, make_rotary)
-            patcher.wrap(attn, make_attention)
+            def attention(module, args, output, idx=attn.layer_idx, slot=slot):
+                if slot.pop("range", False):
+                    recorder.attention_end()
+                q, pos = slot.pop("q", None), slot.pop("positions", None)
+                if recorder.active and q is not None:
+                    x, (k, v) = args[0], output[1]
+                    t = x.shape[1]
+                    recorder.layer(idx, q[0], k[0, :, -t:], v[0, :, -t:],
+                                   None if pos is None else int(pos[-1]), batch=x.shape[0])
+
+            hooks.add(attn.rotary_emb.register_forward_hook(rotary))
+            hooks.add(attn.register_forward_pre_hook(attention_pre))
+            hooks.add(attn.register_forward_hook(attention))
 
 
 def adapter_for(model) -> Adapter:
-    """The adapter of a supported model: the tiny VLM, or a transformers LLaMA-family / LLaVA model."""
+    """The adapter of a supported model: the tiny VLM, or a transformers model kvscope.hf supports."""
     from .tinyvlm.model import TinyVlm
 
     if isinstance(model, TinyVlm):
@@ -354,8 +406,8 @@ def adapter_for(model) -> Adapter:
         from . import hf
         return hf.adapter_for(model)
     raise BridgeError(f"unsupported model {type(model).__name__}: the bridge supports "
-                      "kvscope.tinyvlm.TinyVlm "
-                      "and transformers LLaMA-family / LLaVA models; pass adapter= for others")
+                      "kvscope.tinyvlm.TinyVlm and the transformers models of kvscope.hf (LLaMA family, "
+                      "Qwen2, LLaVA, Qwen2-VL); pass adapter= for others")
 
 
 def _model_device_and_dtype(model):
@@ -388,16 +440,16 @@ class BridgeCapture:
         config.update(geometry)
         config.update({k: v for k, v in options.items() if v is not None})
         self.capture = Capture(self.path, context_tokens=len(tokens), **config)
-        self._patcher = Patcher()
+        self._hooks = Hooks()
         try:
             self.capture.set_tokens(tokens.modality, tokens.position, tokens.token_id, tokens.segment,
                                     tokens.grid_row, tokens.grid_col, tokens.text)
             if tokens.role is not None:
                 self.capture.set_token_roles(tokens.role)
             self.recorder = Recorder(self.capture, geometry["num_layers"], tokens, token_text)
-            adapter.attach(self.recorder, self._patcher)
+            adapter.attach(self.recorder, self._hooks)
         except BaseException:
-            self._patcher.restore()
+            self._hooks.remove()
             self.capture.abort()
             raise
 
@@ -415,7 +467,7 @@ class BridgeCapture:
         self.capture.set_decode_roles(roles)
 
     def finish(self, exc: Optional[BaseException]) -> None:
-        self._patcher.restore()
+        self._hooks.remove()
         if exc is not None or self.recorder.error is not None:
             self.capture.abort()
             if exc is None:

@@ -194,6 +194,12 @@ def dtype_code(dtype: Any) -> DType:
     return DTYPE_NAMES[name]
 
 
+def _text_bytes(text) -> bytes:
+    """A token's text for the C API: bytes as they are (a byte-level token can be part of a UTF-8
+    character), str encoded as UTF-8."""
+    return bytes(text) if isinstance(text, (bytes, bytearray)) else str(text).encode()
+
+
 # ---- tensors -----------------------------------------------------------------------------------------------
 def _torch_view(x, keep: list) -> CTensor:
     import torch  # only reached with a torch tensor
@@ -321,7 +327,7 @@ class Capture:
         if text is not None:
             if len(text) != n:
                 raise ValueError(f"tokens.text has {len(text)} entries, expected {n} (context_tokens)")
-            c_text = (ctypes.c_char_p * n)(*[str(s).encode() for s in text])
+            c_text = (ctypes.c_char_p * n)(*[_text_bytes(s) for s in text])
         i32p = ctypes.POINTER(ctypes.c_int32)
         self._call(self._lib.kvscope_capture_set_tokens, mod.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
                    *[a.ctypes.data_as(i32p) for a in arrays], c_text)
@@ -352,7 +358,7 @@ class Capture:
 
     def decode_token(self, step: int, token_id: int, position: int, text: Optional[str] = None) -> None:
         self._call(self._lib.kvscope_capture_decode_token, int(step), int(token_id), int(position),
-                   None if text is None else str(text).encode())
+                   None if text is None else _text_bytes(text))
 
     @staticmethod
     def _roles(roles: Sequence[int], what: str) -> np.ndarray:

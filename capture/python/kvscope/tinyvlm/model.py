@@ -288,7 +288,7 @@ class TinyVlm(nn.Module):
         """Greedy decoding from the logits of the last prompt token; stops after <eos> (included) or
         max_new tokens. use_cache=False recomputes the full sequence each step (reference)."""
         ids = torch.as_tensor(list(input_ids), dtype=torch.long)
-        logits, cache = self.forward(ids, images, return_cache=True)
+        logits, cache = self(ids, images, return_cache=True)
         out: List[int] = []
         pos = ids.shape[0]
         full = ids
@@ -299,10 +299,10 @@ class TinyVlm(nn.Module):
                 break
             step = torch.tensor([nxt])
             if use_cache:
-                logits, cache = self.forward(step, None, past=cache, start_pos=pos, return_cache=True)
+                logits, cache = self(step, None, past=cache, start_pos=pos, return_cache=True)
             else:
                 full = torch.cat([full, step])
-                logits = self.forward(full, images)
+                logits = self(full, images)
             pos += 1
         return out
 

@@ -1,0 +1,173 @@
+"""kvpress interop on the real SmolLM2-135M-Instruct (the first 1,400 bytes of a passkey sample of `kvcap
+tasks` as the context, its question after it, split as kvpress's pipeline splits them: the context
+compressed, the question after):
+
+1. KvscopePress runs kvscope policies inside kvpress's KVPressTextGenerationPipeline (snapkv, streamingllm
+   and the multimodal policies unicache, hybridkv, look-m); the context tokens it keeps per
+   layer and kv head equal kvscope.hf.apply_policy's on the same ids, and for the eviction policies the
+   answer is the same.
+2. kvscope's snapkv / tova / knorm / streamingllm against kvpress's presses of the same name on the
+   same prefill (h2o's ObservedAttentionPress needs eager attention and is not compared): the kept token sets per layer and kv head, with kvscope's
+   preset and with the INI equivalent docs/policies.md ("Mapping onto kvpress presses") gives, at kvpress's
+   own kept count. knorm, streamingllm and the tova equivalent keep identical sets, the snapkv equivalent
+   close ones (mean Jaccard >= 0.99); the measured agreement of each is printed (docs/policies.md, "kvscope against kvpress,
+   measured").
+
+Usage: scripts/py tests/python/test_kvpress.py  (KVSCOPE_KVCAP set by ctest; exit 77 = skipped without the
+model, kvpress or the native kvscope package)."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+KVCAP = os.environ.get("KVSCOPE_KVCAP", str(ROOT / "build" / "bin" / "kvcap"))
+RATIO = 0.7  # kvpress compression_ratio (fraction removed)
+CONTEXT_BYTES = 1400
+
+
+def model_dir() -> Path:
+    cache = os.environ.get("KVSCOPE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "kvscope")
+    return Path(cache) / "models" / "smollm2-135m-instruct"
+
+
+MODEL = model_dir()
+if not (MODEL / "kvscope-import.json").exists():
+    print(f"SKIPPED: {MODEL} not found (scripts/setup imports SmolLM2-135M-Instruct there; it needs PyPI)")
+    sys.exit(77)
+try:
+    import numpy as np
+    import torch
+    import transformers
+    import kvpress
+    from kvscope import hf, select, sim
+    from kvscope.kvpress_press import KvscopePress
+except ImportError as e:
+    print(f"SKIPPED: {e} (kvpress and the native kvscope package come with scripts/setup and the build; run "
+          "with scripts/py)")
+    sys.exit(77)
+
+# kvscope policy (preset, INI equivalent of docs/policies.md) for each kvpress press, and what the test
+# requires of the equivalent: identical sets, close (mean Jaccard >= 0.99), or nothing (definitions differ).
+COMPARE = {
+    "knorm": (kvpress.KnormPress, "knorm", {}, "identical"),
+    "streamingllm": (kvpress.StreamingLLMPress, "streamingllm", {}, "identical"),
+    "snapkv": (kvpress.SnapKVPress, "snapkv", dict(snap_window=64, snap_kernel=5, snap_pool="avg", recent=64),
+               "close"),
+    "tova": (kvpress.TOVAPress, "tova", dict(shared_heads=True, recent=1), "identical"),
+}
+
+
+def kept_from_keys(full, compressed):
+    """Per kv head, the context indices whose keys a press kept (rows matched exactly)."""
+    out = []
+    for h in range(full.shape[0]):
+        index = {full[h, t].tobytes(): t for t in range(full.shape[1])}
+        out.append(sorted(index[row.tobytes()] for row in compressed[h]))
+    return out
+
+
+class KvpressInterop(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+        cls.tok = transformers.AutoTokenizer.from_pretrained(str(MODEL))
+        cls.model = transformers.AutoModelForCausalLM.from_pretrained(str(MODEL), dtype=torch.float32,
+                                                                      attn_implementation="sdpa").eval()
+        with tempfile.TemporaryDirectory() as tmp:
+            jsonl = Path(tmp) / "t.jsonl"
+            subprocess.run([KVCAP, "tasks", "--model", str(MODEL), "--task", "passkey", "--length", "512",
+                            "--seed", "0", "--samples", "1", "-o", str(jsonl)], check=True, timeout=300)
+            s = json.loads(jsonl.read_text().splitlines()[0])
+        cls.sample = s
+        user = s["user"].encode()  # the offsets are bytes; the context cut to about 300 tokens (CPU time)
+        cls.context = user[:min(s["question_char"], CONTEXT_BYTES)].decode(errors="ignore")
+        cls.question = user[s["question_char"]:].decode()
+        cls.pipe = kvpress.KVPressTextGenerationPipeline(model=cls.model, tokenizer=cls.tok)
+        inputs = cls.pipe.preprocess(cls.context, [cls.question], s["answer_prefix"], 100000)
+        cls.ctx_ids, cls.q_ids = inputs["context_ids"], inputs["questions_ids"][0]
+        cls.T = cls.ctx_ids.shape[1]
+
+    def answer(self, press):
+        return self.pipe(self.context, question=self.question, answer_prefix=self.sample["answer_prefix"],
+                         press=press, max_new_tokens=10)["answer"]
+
+    def apply_policy(self, policy, budget):
+        """kvscope.hf.apply_policy on the pipeline's ids as the pipeline runs them: the context prefilled
+        (one Prefill shared by every policy) and compressed, the question in one forward, then greedy."""
+        from kvscope import hf_policy
+        if not hasattr(self, "pf"):
+            type(self).pf = hf.prefill(self.model, self.ctx_ids[0])
+        eos = self.model.generation_config.eos_token_id
+        eos = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+        with hf.apply_policy(self.model, policy, budget, prefill=self.pf) as run, torch.no_grad():
+            logits = self.model(self.q_ids, past_key_values=run.cache, use_cache=True).logits[0, -1]
+            generated = hf_policy.greedy(self.model, run, logits, 10, eos)
+        kept = [[[t for t in h if t < self.T] for h in run.kept_tokens(l)] for l in range(run.L)]
+        return self.tok.decode(generated, skip_special_tokens=True), kept
+
+    def test_kvscope_press_in_the_pipeline(self):
+        for policy, exact in (("snapkv", True), ("streamingllm", True), ("unicache", False), ("hybridkv", False),
+                              ("look-m", False)):
+            with self.subTest(policy=policy):
+                press = KvscopePress(policy, budget=0.3)
+                answer = self.answer(press)
+                self.assertIsInstance(answer, str)
+                ours, kept = self.apply_policy(policy, 0.3)
+                for layer in range(len(kept)):
+                    self.assertEqual(press.kept_tokens(layer), kept[layer], (policy, layer))
+                if exact:
+                    self.assertEqual(answer, ours, policy)
+                print(f"{policy}: pipeline answer {answer!r}, kvscope.hf {ours!r}", flush=True)
+
+    def test_same_named_presses(self):
+        ratio = RATIO
+        n_kept = max(1, int(self.T * (1 - ratio)))
+        if not hasattr(self, "pf"):
+            type(self).pf = hf.prefill(self.model, self.ctx_ids[0])
+        qs = self.pf.q
+        plain_keys = [k[0].numpy() for k in self.pf.keys]
+        plain_values = [v[0].numpy() for v in self.pf.values]
+        g = hf.HfDecoder(self.model).geometry()
+        L = g["num_layers"]
+        rows = []
+        for name, (press_cls, preset, equivalent, agree) in COMPARE.items():
+            press = press_cls(compression_ratio=ratio)
+            cache = transformers.DynamicCache(config=self.model.config)
+            with press(self.model), torch.no_grad():
+                self.model.model(input_ids=self.ctx_ids, past_key_values=cache)
+            theirs = [kept_from_keys(plain_keys[l], cache.layers[l].keys[0].numpy()) for l in range(L)]
+            result = {}
+            for label, spec in (("preset", sim.policy(preset)),
+                                ("equivalent", sim.policy(preset, rename=f"{preset}-kvpress", **equivalent))):
+                c = select.PrefillCompressor(spec, f"{n_kept}tok", num_layers=L, num_q_heads=g["num_q_heads"],
+                                             num_kv_heads=g["num_kv_heads"], head_dim=g["head_dim"],
+                                             modality=[0] * self.T)
+                same, jac = 0, []
+                for l in range(L):
+                    sel = c.compress_layer(l, qs[l], plain_keys[l], plain_values[l])
+                    for h, mine in enumerate(sel.kept):
+                        a, b = set(int(x) for x in mine), set(theirs[l][h])
+                        same += a == b
+                        jac.append(len(a & b) / len(a | b))
+                result[label] = (same, float(np.mean(jac)))
+            heads = L * g["num_kv_heads"]
+            rows.append((name, press_cls.__name__, heads, result))
+            print(f"{name}: {press_cls.__name__} at compression_ratio {ratio} (T {self.T}, {n_kept} kept): "
+                  f"preset identical {result['preset'][0]}/{heads} (mean Jaccard {result['preset'][1]:.3f}), "
+                  f"equivalent identical {result['equivalent'][0]}/{heads} (mean Jaccard "
+                  f"{result['equivalent'][1]:.3f})", flush=True)
+        for name, _, heads, result in rows:
+            if COMPARE[name][3] == "identical":
+                self.assertEqual(result["equivalent"][0], heads, name)
+            elif COMPARE[name][3] == "close":
+                self.assertGreaterEqual(result["equivalent"][1], 0.99, name)
+
+
+if __name__ == "__main__":
+    unittest.main()
