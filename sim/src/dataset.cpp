@@ -71,12 +71,26 @@ void row_metrics(const HeadResult& r, int m, bool query_sets, std::vector<double
   }
 }
 
-double quantile(const std::vector<double>& sorted, double p) {
-  if (sorted.empty()) return kNaN;
-  const double h = p * static_cast<double>(sorted.size() - 1);
-  const auto lo = static_cast<std::size_t>(std::floor(h));
-  if (lo + 1 >= sorted.size()) return sorted.back();
-  return sorted[lo] + (h - static_cast<double>(lo)) * (sorted[lo + 1] - sorted[lo]);
+// The (1 - c)/2 and (1 + c)/2 quantiles of v with linear interpolation between order statistics (numpy's
+// default), by selection (v is reordered): each is the k-th smallest value and, for the interpolation,
+// the smallest value above it; the upper one is selected in the part above the lower one's.
+void quantiles(std::vector<double>& v, double alpha, double& lo, double& hi) {
+  const std::size_t n = v.size();
+  auto at = [&](std::size_t from, double p) {
+    const double h = p * static_cast<double>(n - 1);
+    const auto k = static_cast<std::size_t>(std::floor(h));
+    const auto first = v.begin() + static_cast<std::ptrdiff_t>(from);
+    std::nth_element(first, v.begin() + static_cast<std::ptrdiff_t>(k), v.end());
+    const double a = v[k];
+    if (k + 1 >= n || h == static_cast<double>(k)) return std::make_pair(a, k);
+    const double b = *std::min_element(v.begin() + static_cast<std::ptrdiff_t>(k) + 1, v.end());
+    return std::make_pair(a + (h - static_cast<double>(k)) * (b - a), k);
+  };
+  const auto [l, k] = at(0, alpha);
+  lo = l;
+  // After the first selection everything past k is >= v[k]: the upper quantile, when past k, is there.
+  const auto k_hi = static_cast<std::size_t>(std::floor((1.0 - alpha) * static_cast<double>(n - 1)));
+  hi = at(k_hi > k ? k + 1 : 0, 1.0 - alpha).first;
 }
 
 // Mean and bootstrap interval of every column of the n x C row-major matrix x (NaN ignored).
@@ -128,19 +142,28 @@ std::vector<Interval> bootstrap_columns(const std::vector<double>& x, std::size_
     }
     for (std::size_t c = 0; c < C; ++c) {
       const double wc = all_finite ? static_cast<double>(n) : weight[c];
-      means[c * B + b] = wc > 0 ? sum[c] / wc : kNaN;
+      means[b * C + c] = wc > 0 ? sum[c] / wc : kNaN;
     }
   }
   const double alpha = (1.0 - o.confidence) / 2.0;
   std::vector<double> v;
+  v.reserve(B);
   for (std::size_t c = 0; c < C; ++c) {
     v.clear();
-    for (std::size_t b = 0; b < B; ++b)
-      if (std::isfinite(means[c * B + b])) v.push_back(means[c * B + b]);
-    std::sort(v.begin(), v.end());
+    double vmin = std::numeric_limits<double>::infinity(), vmax = -vmin;
+    for (std::size_t b = 0; b < B; ++b) {
+      const double m = means[b * C + c];
+      if (!std::isfinite(m)) continue;
+      v.push_back(m);
+      vmin = std::min(vmin, m);
+      vmax = std::max(vmax, m);
+    }
     if (v.empty()) continue;
-    out[c].lo = quantile(v, alpha);
-    out[c].hi = quantile(v, 1.0 - alpha);
+    if (vmin == vmax) {  // every resample gave the same mean (e.g. a metric constant over the samples)
+      out[c].lo = out[c].hi = vmin;
+      continue;
+    }
+    quantiles(v, alpha, out[c].lo, out[c].hi);
   }
   return out;
 }

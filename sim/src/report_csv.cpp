@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <system_error>
 
 #include "kvscope/sim/report.hpp"
@@ -104,14 +105,33 @@ void write_rows(std::ostream& os, const PointResult& p, const std::string& layer
      << num(merged) << ',' << num(evicted) << ',' << num(share_before) << ',' << num(share_after) << suffix;
 }
 
-}  // namespace
-
-void write_csv(const std::string& path, const std::vector<PointResult>& points, const ResultsMeta& meta) {
+// Writes `path` through `body` into path + ".partial", renamed when complete; throws ReportError
+// (leaving no file) on failure.
+void write_file_atomically(const std::string& path, const std::function<void(std::ostream&)>& body) {
   const std::string partial = path + ".partial";
-  const std::vector<int> modalities = reported_modalities(points, meta);
   {
     std::ofstream os(partial, std::ios::binary | std::ios::trunc);
     if (!os) throw ReportError(path, "cannot create " + partial);
+    body(os);
+    os.close();  // sets failbit when the final flush fails
+    if (os.fail()) {
+      std::remove(partial.c_str());
+      throw ReportError(path, "write failed (disk full?) on " + partial);
+    }
+  }
+  std::error_code ec;
+  std::filesystem::rename(partial, path, ec);
+  if (ec) {
+    std::remove(partial.c_str());
+    throw ReportError(path, "cannot rename " + partial + " to it: " + ec.message());
+  }
+}
+
+}  // namespace
+
+void write_csv(const std::string& path, const std::vector<PointResult>& points, const ResultsMeta& meta) {
+  const std::vector<int> modalities = reported_modalities(points, meta);
+  write_file_atomically(path, [&](std::ostream& os) {
     os << "policy,budget,layer,modality,bytes_full,bytes_kept,bytes_ratio,output_error,attention_recall,kl,"
           "entropy_delta,flags,tokens,kept,merged,evicted,share_before,share_after,pareto,budget_value,"
           "bytes_full_end,bytes_end,bytes_peak,mode,kind";
@@ -130,18 +150,7 @@ void write_csv(const std::string& path, const std::vector<PointResult>& points, 
       }
       write_rows(os, p, "all", p.total, flag_names(p, -1), modalities, meta.has_roles);
     }
-    os.close();  // sets failbit when the final flush fails
-    if (os.fail()) {
-      std::remove(partial.c_str());
-      throw ReportError(path, "write failed (disk full?) on " + partial);
-    }
-  }
-  std::error_code ec;
-  std::filesystem::rename(partial, path, ec);
-  if (ec) {
-    std::remove(partial.c_str());
-    throw ReportError(path, "cannot rename " + partial + " to it: " + ec.message());
-  }
+  });
 }
 
 ResultsColumn& ResultsTable::add(std::string column, ResultsColumn::Type type, std::string description) {
@@ -160,10 +169,7 @@ ResultsColumn* ResultsTable::find(const std::string& column) {
 }
 
 void write_table_csv(const std::string& path, const ResultsTable& table) {
-  const std::string partial = path + ".partial";
-  {
-    std::ofstream os(partial, std::ios::binary | std::ios::trunc);
-    if (!os) throw ReportError(path, "cannot create " + partial);
+  write_file_atomically(path, [&](std::ostream& os) {
     for (std::size_t k = 0; k < table.columns.size(); ++k)
       os << (k ? "," : "") << quoted(table.columns[k].name);
     os << "\n";
@@ -181,18 +187,7 @@ void write_table_csv(const std::string& path, const ResultsTable& table) {
       }
       os << '\n';
     }
-    os.close();
-    if (os.fail()) {
-      std::remove(partial.c_str());
-      throw ReportError(path, "write failed (disk full?) on " + partial);
-    }
-  }
-  std::error_code ec;
-  std::filesystem::rename(partial, path, ec);
-  if (ec) {
-    std::remove(partial.c_str());
-    throw ReportError(path, "cannot rename " + partial + " to it: " + ec.message());
-  }
+  });
 }
 
 }  // namespace kvscope::sim

@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include "kvscope/sim/dataset.hpp"
+#include "kvscope/sim/results_reader.hpp"
 #include "kvscope/trace/dataset.hpp"
 #include "scratch.hpp"
 
@@ -142,6 +143,11 @@ SampleResult sample(double err, std::int64_t tokens) {
   return r;
 }
 
+ResultsMeta results_meta_without_dataset(ResultsMeta m) {
+  m.dataset = false;
+  return m;
+}
+
 TEST(Aggregate, MeanPointsTablesAndGroups) {
   trace::Dataset ds;
   ds.source = "ds";
@@ -187,6 +193,27 @@ TEST(Aggregate, MeanPointsTablesAndGroups) {
   EXPECT_NE(summary.find("length = 256-511 (n = 2)"), std::string::npos) << summary;
   EXPECT_NE(summary.find("oracle-topk (bound)"), std::string::npos) << summary;
   EXPECT_THROW(check_groupings(ds, {"nosuch"}), std::runtime_error);
+  // The results file (format 1.4) reads back: mean points, dataset attributes, the intervals kvview draws.
+  const std::string file = (testing::scratch_dir("h5") / "r.h5").string();
+  write_hdf5(file, a.points, a.meta, a.tables);
+  ResultsMeta meta;
+  const std::vector<PointResult> back = read_results_hdf5(file, &meta);
+  ASSERT_EQ(back.size(), 2u);
+  EXPECT_EQ(back[0].total.quality.output_error, a.points[0].total.quality.output_error);
+  EXPECT_TRUE(meta.dataset);
+  EXPECT_EQ(meta.num_samples, 6);
+  EXPECT_EQ(meta.failed_samples, 1);
+  EXPECT_EQ(meta.group_by, "family,length");
+  EXPECT_DOUBLE_EQ(meta.confidence, 0.95);
+  const std::vector<PointIntervals> iv = read_point_intervals(file);
+  ASSERT_EQ(iv.size(), 2u);
+  EXPECT_EQ(iv[0].n, 5);
+  EXPECT_NEAR(iv[0].output_error.mean, a.points[0].total.quality.output_error, 1e-12);
+  EXPECT_LT(iv[0].output_error.lo, iv[0].output_error.mean);
+  EXPECT_GT(iv[0].output_error.hi, iv[0].output_error.mean);
+  // A single-trace results file has no intervals.
+  write_hdf5(file, a.points, results_meta_without_dataset(a.meta));
+  EXPECT_TRUE(read_point_intervals(file).empty());
   for (auto& r : rs) r.ok = false;
   EXPECT_THROW(aggregate_dataset(ds, rs, {}, o, {}), std::runtime_error);
 }

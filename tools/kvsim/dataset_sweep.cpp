@@ -1,6 +1,7 @@
 #include "dataset_sweep.hpp"
 
 #include <stdlib.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -121,10 +122,23 @@ int run_dataset_sweep(const std::string& name, const po::variables_map& vm,
   if (!(confidence > 0 && confidence < 1)) return fail("--confidence must be in (0, 1)");
   if (groups < 1 || groups > 1000) return fail("--policy-groups must be in 1..1000");
   const std::vector<std::string> by = split_list(vm["by"].as<std::string>());
-  using Clock = std::chrono::steady_clock;
-  auto since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
-  Clock::time_point t = Clock::now();
-  double t_manifest = 0, t_units = 0, t_gather = 0, t_aggregate = 0, t_write = 0;
+  // Wall and CPU seconds (this process, all its threads) of each phase: on a shared machine the CPU
+  // seconds are the figure that compares across loads.
+  struct Stamp {
+    double wall = 0, cpu = 0;
+    static Stamp now() {
+      timespec ts{};
+      clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+      return {std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(),
+              static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec)};
+    }
+  };
+  auto since = [](const Stamp& a) {
+    const Stamp b = Stamp::now();
+    return Stamp{b.wall - a.wall, b.cpu - a.cpu};
+  };
+  Stamp t = Stamp::now();
+  Stamp t_manifest, t_units, t_gather, t_aggregate, t_write;
   trace::Dataset dataset;
   try {
     dataset = trace::open_dataset(vm["dataset"].as<std::string>());
@@ -195,7 +209,7 @@ int run_dataset_sweep(const std::string& name, const po::variables_map& vm,
   if (wp.root()) bar = std::make_unique<cli::ProgressBar>(name, U, !vm.count("quiet"));
   std::size_t received = 0;
   std::vector<std::string> raw;
-  t = Clock::now();
+  t = Stamp::now();
   try {
     raw = wp.run(U, threads, work, [&](std::size_t, const std::string& r) {
       bar->update(++received);
@@ -207,7 +221,7 @@ int run_dataset_sweep(const std::string& name, const po::variables_map& vm,
   if (!wp.root()) return 0;
   bar->finish();
   t_units = since(t);
-  t = Clock::now();
+  t = Stamp::now();
 
   // Samples from their units (decoded here, on rank 0, after every unit finished).
   std::vector<SampleResult> results(S);
@@ -269,7 +283,7 @@ int run_dataset_sweep(const std::string& name, const po::variables_map& vm,
   bo.seed = vm["seed"].as<unsigned long long>();
   bo.confidence = confidence;
   try {
-    t = Clock::now();
+    t = Stamp::now();
     DatasetResults dr = aggregate_dataset(dataset, results, by, bo, options.thresholds);
     dr.meta.command_line = argv_line;
     t_aggregate = since(t);
@@ -278,7 +292,7 @@ int run_dataset_sweep(const std::string& name, const po::variables_map& vm,
       if (!results[i].ok)
         std::cout << "failed: sample " << dataset.samples[i].sample << ": " << results[i].error << "\n";
     }
-    t = Clock::now();
+    t = Stamp::now();
     std::vector<std::string> partial;
     for (const char* o : {"output", "csv", "samples-csv"})
       if (vm.count(o)) partial.push_back(vm[o].as<std::string>() + ".partial");
@@ -299,12 +313,13 @@ int run_dataset_sweep(const std::string& name, const po::variables_map& vm,
     }
     WorkPool::set_partial_files({});
     t_write = since(t);
-    char line[320];
-    std::snprintf(line, sizeof line,
-                  "time: %zu units on %d rank%s in %.3f s; serial on rank 0: manifest %.3f s, gather %.3f s, "
-                  "aggregate %.3f s, write %.3f s\n",
-                  U, wp.size(), wp.size() == 1 ? "" : "s", t_units, t_manifest, t_gather, t_aggregate,
-                  t_write);
+    char line[400];
+    std::snprintf(
+        line, sizeof line,
+        "time: %zu units on %d rank%s in %.3f s (rank 0: %.3f CPU-s); serial on rank 0: manifest %.3f s "
+        "(%.3f CPU-s), gather %.3f s (%.3f), aggregate %.3f s (%.3f), write %.3f s (%.3f)\n",
+        U, wp.size(), wp.size() == 1 ? "" : "s", t_units.wall, t_units.cpu, t_manifest.wall, t_manifest.cpu,
+        t_gather.wall, t_gather.cpu, t_aggregate.wall, t_aggregate.cpu, t_write.wall, t_write.cpu);
     std::cout << line;
   } catch (const std::exception& e) {
     return fail(e.what());
