@@ -13,8 +13,10 @@
 #include <chrono>
 #include <csignal>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <limits>
 #include <mutex>
 #include <stdexcept>
@@ -143,12 +145,20 @@ std::vector<std::string> WorkPool::run(
   if (!root()) {
     std::int64_t done = -1;
     std::string payload;
+    // Rank 0 waits for this rank's next request: a rank that cannot go on must end the job, not return.
+    struct AbortOnThrow {
+      ~AbortOnThrow() {
+        if (std::uncaught_exceptions()) MPI_Abort(MPI_COMM_WORLD, 2);
+      }
+    } abort_on_throw;
     while (true) {
       std::string msg(sizeof done, '\0');
       std::memcpy(msg.data(), &done, sizeof done);
       msg += payload;
       if (msg.size() > static_cast<std::size_t>(std::numeric_limits<int>::max())) {
-        throw std::runtime_error("the result of work unit " + std::to_string(done) + " is larger than 2 GiB");
+        std::fprintf(stderr, "kvsim sweep: rank %d: the result of work unit %lld is larger than 2 GiB\n",
+                     rank_, static_cast<long long>(done));
+        throw std::runtime_error("the result of a work unit is larger than 2 GiB");
       }
       MPI_Send(msg.data(), static_cast<int>(msg.size()), MPI_BYTE, 0, kTagResult, MPI_COMM_WORLD);
       std::int64_t unit = -1;
