@@ -134,6 +134,7 @@ std::vector<std::string> WorkPool::run(
     std::size_t n, int threads, const std::function<std::string(std::size_t)>& work,
     const std::function<bool(std::size_t, const std::string&)>& on_result) {
   std::vector<std::string> results(root() ? n : 0);
+  (void)threads;  // used by rank 0's work thread under MPI
   if (!mpi_ || size_ == 1) {
     for (std::size_t u = 0; u < n; ++u) {
       results[u] = work(u);
