@@ -64,6 +64,7 @@ void Model::run(std::string trace_path, std::string results_path) {
       std::lock_guard<std::mutex> lock(hdf5_mutex());
       sim::check_results_file(results_path);
       points_ = sim::read_results_hdf5(results_path, &meta_);
+      intervals_ = sim::read_point_intervals(results_path);
       results_path_ = results_path;
       for (const sim::PointResult& p : points_) {
         if (std::find(policies_.begin(), policies_.end(), p.policy) == policies_.end()) {

@@ -13,6 +13,7 @@
 #include "kvscope/sim/info.hpp"
 #include "kvscope/sim/report.hpp"
 #include "kvscope/sim/results.hpp"
+#include "kvscope/sim/results_reader.hpp"
 #include "kvscope/trace/reader.hpp"
 
 namespace kvscope::viewer {
@@ -51,6 +52,8 @@ class Model {
   const sim::TraceContext& context() const { return *context_; }
   const std::vector<sim::PointResult>& points() const { return points_; }
   const sim::ResultsMeta& results_meta() const { return meta_; }
+  // A dataset sweep's intervals, one per points() row (results format 1.4); empty for one trace's results.
+  const std::vector<sim::PointIntervals>& point_intervals() const { return intervals_; }
   const std::vector<std::string>& policies() const { return policies_; }  // distinct, in file order
   const std::vector<std::string>& registry_policies() const { return registry_names_; }
 
@@ -81,6 +84,7 @@ class Model {
   std::unique_ptr<sim::TraceContext> context_;
   std::vector<sim::PointResult> points_;
   sim::ResultsMeta meta_;
+  std::vector<sim::PointIntervals> intervals_;
   std::vector<std::string> policies_, registry_names_;
 };
 

@@ -1,6 +1,7 @@
 // Quality curves: output error (or recall, KL) versus bytes ratio for every swept policy, the
 // Pareto front highlighted, the oracle-topk rows (kind bound) drawn as the dashed bound and the
-// alloc-search rows (kind search) dotted: neither is a policy. Click a point to select it everywhere.
+// alloc-search rows (kind search) dotted: neither is a policy. A dataset sweep's file (results 1.4) adds
+// each point's bootstrap interval over the samples as a vertical bar. Click a point to select it everywhere.
 #include <imgui.h>
 
 #include <algorithm>
@@ -18,6 +19,12 @@ namespace w = widgets;
 double metric(const sim::PointResult& p, int which) {
   const sim::Quality& q = p.total.quality;
   return which == 0 ? q.output_error : which == 1 ? q.attention_recall : q.kl;
+}
+
+// The interval of the plotted metric, or nullptr when the file has none for the point.
+const sim::PointInterval* interval(const std::vector<sim::PointIntervals>& iv, std::size_t i, int which) {
+  if (i >= iv.size() || iv[i].n == 0) return nullptr;
+  return which == 0 ? &iv[i].output_error : which == 1 ? &iv[i].attention_recall : &iv[i].kl;
 }
 
 bool is_bound(const sim::PointResult& p) { return p.kind == "bound"; }
@@ -44,10 +51,20 @@ class QualityPanel : public Panel {
         "evaluation "
         "queries).  Dotted: allocation search.");
 
+    const auto& iv = ctx.model.point_intervals();
+    if (!iv.empty()) {
+      ImGui::TextDisabled("Bars: %lld %% bootstrap interval of the mean over %lld samples (%s).",
+                          static_cast<long long>(std::llround(100 * ctx.model.results_meta().confidence)),
+                          static_cast<long long>(ctx.model.results_meta().num_samples -
+                                                 ctx.model.results_meta().failed_samples),
+                          ctx.model.results_meta().dataset_source.c_str());
+    }
     double ymax = 0, ymin = 0;
-    for (const auto& p : pts) {
-      const double v = metric(p, metric_);
+    for (std::size_t i = 0; i < pts.size(); ++i) {
+      const double v = metric(pts[i], metric_);
       if (std::isfinite(v)) ymax = std::max(ymax, v);
+      if (const sim::PointInterval* b = interval(iv, i, metric_); b && std::isfinite(b->hi))
+        ymax = std::max(ymax, b->hi);
     }
     if (metric_ == 1) ymin = std::min(0.0, ymax), ymax = 1.0;
     ymax = ymax > 0 ? ymax * 1.05 : 1.0;
@@ -107,6 +124,14 @@ class QualityPanel : public Panel {
     for (std::size_t i = 0; i < pts.size(); ++i) {
       const ImVec2 s = f.to_screen(pts[i].bytes_ratio(), metric(pts[i], metric_));
       const ImU32 c = colors[pts[i].policy];
+      if (const sim::PointInterval* b = interval(iv, i, metric_);
+          b && std::isfinite(b->lo) && std::isfinite(b->hi)) {
+        const ImVec2 lo = f.to_screen(pts[i].bytes_ratio(), b->lo),
+                     hi = f.to_screen(pts[i].bytes_ratio(), b->hi);
+        dl->AddLine(lo, hi, c, 1.5f);
+        dl->AddLine(ImVec2(lo.x - 3, lo.y), ImVec2(lo.x + 3, lo.y), c, 1.5f);
+        dl->AddLine(ImVec2(hi.x - 3, hi.y), ImVec2(hi.x + 3, hi.y), c, 1.5f);
+      }
       dl->AddCircleFilled(s, pts[i].pareto ? 5.0f : 3.5f, c);
       if (pts[i].pareto) dl->AddCircle(s, 7.5f, IM_COL32(255, 255, 255, 255), 0, 1.5f);
       if (static_cast<int>(i) == ctx.sel.point) dl->AddCircle(s, 11.0f, IM_COL32(255, 60, 60, 255), 0, 2.5f);
@@ -128,6 +153,12 @@ class QualityPanel : public Panel {
                          : "",
           p.bytes_ratio(), 100 * (1 - p.bytes_ratio()), p.total.quality.output_error,
           p.total.quality.attention_recall, p.total.quality.kl, p.flags.size());
+      if (const sim::PointInterval* b = interval(iv, static_cast<std::size_t>(hovered), metric_)) {
+        ImGui::SetTooltip(
+            "%s @ %s%s\n%s %.5f, interval [%.5f, %.5f] over %lld samples\nbytes ratio %.4f\nclick to select",
+            p.policy.c_str(), p.budget.c_str(), p.pareto ? "  (Pareto)" : "", metrics[metric_], b->mean,
+            b->lo, b->hi, static_cast<long long>(iv[static_cast<std::size_t>(hovered)].n), p.bytes_ratio());
+      }
       if (ImGui::IsItemClicked()) ctx.sel.point = hovered;
     }
     // Legend.

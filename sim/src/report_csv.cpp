@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <functional>
 #include <system_error>
 
 #include "kvscope/sim/report.hpp"
@@ -113,6 +114,28 @@ void write_rows(std::ostream& os, const PointResult& p, const std::string& layer
      << num(merged) << ',' << num(evicted) << ',' << num(share_before) << ',' << num(share_after) << suffix;
 }
 
+// Writes `path` through `body` into path + ".partial", renamed when complete; throws ReportError
+// (leaving no file) on failure.
+void write_file_atomically(const std::string& path, const std::function<void(std::ostream&)>& body) {
+  const std::string partial = path + ".partial";
+  {
+    std::ofstream os(partial, std::ios::binary | std::ios::trunc);
+    if (!os) throw ReportError(path, "cannot create " + partial);
+    body(os);
+    os.close();  // sets failbit when the final flush fails
+    if (os.fail()) {
+      std::remove(partial.c_str());
+      throw ReportError(path, "write failed (disk full?) on " + partial);
+    }
+  }
+  std::error_code ec;
+  std::filesystem::rename(partial, path, ec);
+  if (ec) {
+    std::remove(partial.c_str());
+    throw ReportError(path, "cannot rename " + partial + " to it: " + ec.message());
+  }
+}
+
 }  // namespace
 
 void write_csv(std::ostream& os, const std::vector<PointResult>& points, const ResultsMeta& meta) {
@@ -144,23 +167,44 @@ std::string format_csv(const std::vector<PointResult>& points, const ResultsMeta
 }
 
 void write_csv(const std::string& path, const std::vector<PointResult>& points, const ResultsMeta& meta) {
-  const std::string partial = path + ".partial";
-  {
-    std::ofstream os(partial, std::ios::binary | std::ios::trunc);
-    if (!os) throw ReportError(path, "cannot create " + partial);
-    write_csv(os, points, meta);
-    os.close();  // sets failbit when the final flush fails
-    if (os.fail()) {
-      std::remove(partial.c_str());
-      throw ReportError(path, "write failed (disk full?) on " + partial);
+  write_file_atomically(path, [&](std::ostream& os) { write_csv(os, points, meta); });
+}
+
+ResultsColumn& ResultsTable::add(std::string column, ResultsColumn::Type type, std::string description) {
+  ResultsColumn c;
+  c.name = std::move(column);
+  c.type = type;
+  c.description = std::move(description);
+  columns.push_back(std::move(c));
+  return columns.back();
+}
+
+ResultsColumn* ResultsTable::find(const std::string& column) {
+  for (ResultsColumn& c : columns)
+    if (c.name == column) return &c;
+  return nullptr;
+}
+
+void write_table_csv(const std::string& path, const ResultsTable& table) {
+  write_file_atomically(path, [&](std::ostream& os) {
+    for (std::size_t k = 0; k < table.columns.size(); ++k)
+      os << (k ? "," : "") << quoted(table.columns[k].name);
+    os << "\n";
+    const std::size_t n = table.rows();
+    for (std::size_t r = 0; r < n; ++r) {
+      for (std::size_t k = 0; k < table.columns.size(); ++k) {
+        const ResultsColumn& c = table.columns[k];
+        if (k) os << ',';
+        if (c.type == ResultsColumn::Type::kF64)
+          os << num(c.f64[r]);
+        else if (c.type == ResultsColumn::Type::kI64)
+          os << num(c.i64[r]);
+        else
+          os << quoted(c.str[r]);
+      }
+      os << '\n';
     }
-  }
-  std::error_code ec;
-  std::filesystem::rename(partial, path, ec);
-  if (ec) {
-    std::remove(partial.c_str());
-    throw ReportError(path, "cannot rename " + partial + " to it: " + ec.message());
-  }
+  });
 }
 
 }  // namespace kvscope::sim

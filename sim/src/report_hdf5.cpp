@@ -1,10 +1,11 @@
-// HDF5 results file ("kvscope-results" 1.2), written with the HDF5 C API.
+// HDF5 results file ("kvscope-results" 1.4), written with the HDF5 C API.
 // Layout (normative description: docs/results-format.md):
 //   /            attributes: format, version, trace and model metadata, command line
 //   /points      one entry per point:              [P] and [P, 4] / [P, 6]
 //   /layers      per layer of each point:          [P, L] and [P, L, 4] / [P, L, 6]
 //   /heads       per kv head of each layer:        [P, L, H] and [P, L, H, 4] / [P, L, H, 6]
 //   /flags       one entry per collapse flag:      [F] and layer_mask [F, L]
+//   /samples, /sample_points, /aggregate   (1.4, dataset sweeps) tables of 1-D columns
 // Every dataset carries a "description" attribute.
 #include <hdf5.h>
 
@@ -282,6 +283,25 @@ void write_records(const Writer& w, hid_t group, const std::string& gname, const
   modal_f64("share_after", "compressed attention mass per modality", &Quality::share_after);
 }
 
+void write_table(const Writer& w, hid_t file, const ResultsTable& t) {
+  const std::string gname = "/" + t.name;
+  Handle g(
+      w.check(H5Gcreate2(file, gname.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), gname, "create group"),
+      H5Gclose);
+  w.attr_string(g, gname, "description", t.description);
+  w.attr_scalar<std::int64_t>(g, gname, "num_rows", static_cast<std::int64_t>(t.rows()));
+  for (const ResultsColumn& c : t.columns) {
+    const std::string object = gname + "/" + c.name;
+    const hsize_t n = c.size();
+    if (c.type == ResultsColumn::Type::kF64)
+      w.dataset(g, object, {n}, c.f64, c.description);
+    else if (c.type == ResultsColumn::Type::kI64)
+      w.dataset(g, object, {n}, c.i64, c.description);
+    else
+      w.strings(g, object, c.str, c.description);
+  }
+}
+
 void write_contents(const Writer& w, hid_t file, const std::vector<PointResult>& points,
                     const ResultsMeta& meta) {
   hsize_t L = static_cast<hsize_t>(std::max(meta.num_layers, 0));
@@ -316,6 +336,15 @@ void write_contents(const Writer& w, hid_t file, const std::vector<PointResult>&
   w.attr_scalar<std::int64_t>(file, "/", "question_queries", meta.query_set_steps[kQuestionQueries]);
   w.attr_string(file, "/", "modalities", kModalityNames);
   w.attr_string(file, "/", "bytes_components", kComponentNames);
+  if (meta.dataset) {  // format 1.4: a dataset sweep
+    w.attr_string(file, "/", "dataset", meta.dataset_source);
+    w.attr_scalar<std::int64_t>(file, "/", "num_samples", meta.num_samples);
+    w.attr_scalar<std::int64_t>(file, "/", "failed_samples", meta.failed_samples);
+    w.attr_scalar<std::int64_t>(file, "/", "bootstrap_resamples", meta.bootstrap_resamples);
+    w.attr_scalar<std::int64_t>(file, "/", "bootstrap_seed", static_cast<std::int64_t>(meta.bootstrap_seed));
+    w.attr_scalar<double>(file, "/", "confidence", meta.confidence);
+    w.attr_string(file, "/", "group_by", meta.group_by);
+  }
 
   auto group = [&](const char* name) {
     return Handle(
@@ -420,7 +449,8 @@ void write_contents(const Writer& w, hid_t file, const std::vector<PointResult>&
 
 }  // namespace
 
-void write_hdf5(const std::string& path, const std::vector<PointResult>& points, const ResultsMeta& meta) {
+void write_hdf5(const std::string& path, const std::vector<PointResult>& points, const ResultsMeta& meta,
+                const std::vector<ResultsTable>& tables) {
   static std::once_flag silence;
   std::call_once(silence, [] { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); });
   const std::string partial = path + ".partial";
@@ -430,6 +460,7 @@ void write_hdf5(const std::string& path, const std::vector<PointResult>& points,
         w.check(H5Fcreate(partial.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), partial, "create"),
         H5Fclose);
     write_contents(w, file, points, meta);
+    for (const ResultsTable& t : tables) write_table(w, file, t);
     if (file.close() < 0) w.fail(partial, "close");
   } catch (...) {
     std::remove(partial.c_str());

@@ -133,6 +133,23 @@ class Reader {
     return v;
   }
 
+  // A scalar floating-point (or integer) attribute of the root.
+  double attr_f64(const char* name) const {
+    const std::string object = std::string("/@") + name;
+    trace::note_object_being_read(object);
+    if (H5Aexists(file_, name) <= 0) fail(object, "missing attribute");
+    Handle a(H5Aopen(file_, name, H5P_DEFAULT), H5Aclose);
+    Handle space(H5Aget_space(a), H5Sclose);
+    Handle type(H5Aget_type(a), H5Tclose);
+    const H5T_class_t cls = H5Tget_class(type);
+    double v = 0;
+    if (H5Sget_simple_extent_npoints(space) != 1 || (cls != H5T_FLOAT && cls != H5T_INTEGER) ||
+        H5Aread(a, H5T_NATIVE_DOUBLE, &v) < 0) {
+      fail(object, "not a number attribute");
+    }
+    return v;
+  }
+
   // A numeric dataset whose shape must equal `dims` exactly.
   template <typename T>
   std::vector<T> dataset(const std::string& object, const std::vector<hsize_t>& dims) const {
@@ -145,6 +162,22 @@ class Reader {
       fail(object, "cannot read as a number array");
     }
     return v;
+  }
+
+  // Length of a 1-D dataset, or -1 when the object does not exist.
+  std::int64_t length(const std::string& object) const {
+    trace::note_object_being_read(object);
+    if (H5Lexists(file_, object.substr(0, object.rfind('/')).c_str(), H5P_DEFAULT) <= 0 ||
+        H5Lexists(file_, object.c_str(), H5P_DEFAULT) <= 0) {
+      return -1;
+    }
+    Handle d(H5Dopen2(file_, object.c_str(), H5P_DEFAULT), H5Dclose);
+    if (d < 0) fail(object, "cannot open dataset");
+    Handle space(H5Dget_space(d), H5Sclose);
+    if (H5Sget_simple_extent_ndims(space) != 1) fail(object, "not a 1-D column");
+    hsize_t n = 0;
+    H5Sget_simple_extent_dims(space, &n, nullptr);
+    return static_cast<std::int64_t>(n);
   }
 
   std::vector<std::string> strings(const std::string& object, hsize_t n) const {
@@ -412,6 +445,16 @@ std::vector<PointResult> read_contents(const Reader& r, ResultsMeta* meta) {
     if (tpm.size() != static_cast<std::size_t>(kModalities))
       r.fail("/@tokens_per_modality", "expected 4 values");
     std::copy(tpm.begin(), tpm.end(), meta->tokens_per_modality.begin());
+    if (minor >= 4 && !r.attr_i64("num_samples", true).empty()) {  // 1.4: a dataset sweep
+      meta->dataset = true;
+      meta->dataset_source = r.attr_string("dataset");
+      meta->num_samples = r.attr_i64("num_samples")[0];
+      meta->failed_samples = r.attr_i64("failed_samples")[0];
+      meta->bootstrap_resamples = r.attr_i64("bootstrap_resamples")[0];
+      meta->bootstrap_seed = static_cast<std::uint64_t>(r.attr_i64("bootstrap_seed")[0]);
+      meta->group_by = r.attr_string("group_by");
+      meta->confidence = r.attr_f64("confidence");
+    }
     if (v12) {
       meta->has_roles = r.attr_i64("has_roles")[0] != 0;
       meta->steps_in_context = r.attr_i64("question_in_context")[0];
@@ -510,7 +553,9 @@ std::vector<PointResult> read_contents(const Reader& r, ResultsMeta* meta) {
 
 }  // namespace
 
-std::vector<PointResult> read_results_hdf5(const std::string& path, ResultsMeta* meta) {
+namespace {
+// Opens a results file read-only; throws ResultsReadError naming it.
+hid_t open_results(const std::string& path) {
   // Per thread: Debian's thread-safe libhdf5 keeps one error stack (and its printing) per thread.
   thread_local bool silenced = false;
   if (!silenced) {
@@ -520,8 +565,49 @@ std::vector<PointResult> read_results_hdf5(const std::string& path, ResultsMeta*
   std::error_code ec;
   if (!std::filesystem::is_regular_file(path, ec))
     throw ResultsReadError(path, "", "cannot open: no such file");
-  Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+  const hid_t file = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
   if (file < 0) throw ResultsReadError(path, "", "cannot open: unreadable or not an HDF5 file");
+  return file;
+}
+}  // namespace
+
+std::vector<PointIntervals> read_point_intervals(const std::string& path) {
+  Handle file(open_results(path), H5Fclose);
+  const Reader r(path, file);
+  const std::int64_t rows = r.length("/aggregate/by");
+  if (rows < 0) return {};
+  if (rows > (std::int64_t{1} << 28))
+    r.fail("/aggregate/by", std::to_string(rows) + " rows is more than a results file holds");
+  const auto n = static_cast<hsize_t>(rows);
+  const hsize_t P = static_cast<hsize_t>(std::max<std::int64_t>(0, r.attr_i64("num_points")[0]));
+  if (static_cast<std::int64_t>(P) > kMaxPoints) r.fail("/@num_points", "more than the limit");
+  const std::vector<std::string> by = r.strings("/aggregate/by", n),
+                                 mod = r.strings("/aggregate/modality", n);
+  const std::vector<std::int64_t> point = r.dataset<std::int64_t>("/aggregate/point", {n}),
+                                  layer = r.dataset<std::int64_t>("/aggregate/layer", {n}),
+                                  count = r.dataset<std::int64_t>("/aggregate/n", {n});
+  std::vector<PointIntervals> out(P);
+  auto read = [&](const std::string& metric, PointInterval PointIntervals::*field) {
+    const std::vector<double> mean = r.dataset<double>("/aggregate/" + metric + "_mean", {n}),
+                              lo = r.dataset<double>("/aggregate/" + metric + "_lo", {n}),
+                              hi = r.dataset<double>("/aggregate/" + metric + "_hi", {n});
+    for (hsize_t i = 0; i < n; ++i) {
+      if (by[i] != "all" || layer[i] != -1 || mod[i] != "all") continue;
+      if (point[i] < 0 || static_cast<hsize_t>(point[i]) >= P) r.fail("/aggregate/point", "row of no point");
+      PointIntervals& pi = out[static_cast<std::size_t>(point[i])];
+      pi.*field = PointInterval{mean[i], lo[i], hi[i]};
+      pi.n = count[i];
+    }
+  };
+  read("output_error", &PointIntervals::output_error);
+  read("attention_recall", &PointIntervals::attention_recall);
+  read("kl", &PointIntervals::kl);
+  read("bytes_ratio", &PointIntervals::bytes_ratio);
+  return out;
+}
+
+std::vector<PointResult> read_results_hdf5(const std::string& path, ResultsMeta* meta) {
+  Handle file(open_results(path), H5Fclose);
   const Reader r(path, file);
   return read_contents(r, meta);
 }

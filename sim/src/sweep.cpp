@@ -285,7 +285,9 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
   }
   std::sort(targets.begin(), targets.end());
   // The bound's points run with the policies' (after them, so the policies' rows keep their order).
-  std::vector<SweepPoint> points = requested;
+  std::vector<SweepPoint> points;
+  if (!options.extra_rows_only) points = requested;
+  const std::size_t replayed = points.size();
   if (options.bound.enabled) {
     const PolicySpec bound = PolicyRegistry().get("oracle-topk");
     for (const auto& [f, text] : targets) {
@@ -312,8 +314,7 @@ SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepP
     out.points[i].policy = points[i].policy.name;
     out.points[i].budget = points[i].budget.text.empty() ? "-" : points[i].budget.text;
     out.points[i].mode = points[i].policy.mode == PolicyMode::kDecode ? "decode" : "prefill";
-    if (i >= requested.size() || points[i].policy.stages.scorer == "oracle-topk")
-      out.points[i].kind = "bound";
+    if (i >= replayed || points[i].policy.stages.scorer == "oracle-topk") out.points[i].kind = "bound";
   }
   for (int l = 0; l < L; ++l) {
     LayerData layer = read_layer_data(reader, l, ctx);

@@ -131,6 +131,27 @@ if __name__ == "__main__":
     layer0 = shot("tokens-layer0", ["--view", "tokens", "--point", "h2o@0.2", "--layer", "0"], env)
     check(layer0 != images["tokens"], "tokens: layer 0 differs from the default layer")
 
+    # A dataset sweep's file (results 1.4): the quality curves draw each point's bootstrap interval, so
+    # the same points with and without the intervals render differently.
+    shipped = os.path.join(os.path.dirname(os.path.abspath(TRACE)), "tiny-shapes-*.h5")
+    DATASET = os.path.join(WORK, "dataset.h5")
+    subprocess.run([KVSIM, "sweep", "--dataset", shipped, "--policies", "h2o,snapkv", "--budgets", "0.2,0.5",
+                    "-o", DATASET, "-q", "--threads", "2"], check=True, capture_output=True, env=env)
+    png = os.path.join(WORK, "dataset-quality.png")
+    r = kvview(["--results", DATASET, "--view", "quality", "--screenshot", png, "--size", f"{SIZE[0]}x{SIZE[1]}"], env)
+    check(r.returncode == 0, f"dataset results: exit 0 (got {r.returncode}; stderr: {r.stderr.strip()})")
+    with_bars = decode_png(png)[2]
+    check(variance(with_bars) > 100, "dataset results: the quality view is not blank")
+    import h5py
+    plain = os.path.join(WORK, "dataset-plain.h5")
+    shutil.copy(DATASET, plain)
+    with h5py.File(plain, "a") as f:
+        del f["aggregate"]
+    png2 = os.path.join(WORK, "dataset-plain.png")
+    r = kvview(["--results", plain, "--view", "quality", "--screenshot", png2, "--size", f"{SIZE[0]}x{SIZE[1]}"], env)
+    check(r.returncode == 0 and decode_png(png2)[2] != with_bars,
+          "dataset results: the intervals change the quality view's pixels")
+
     # Bad inputs: a message naming the file on stderr, exit 2, and the error drawn in the window.
     bad = os.path.join(WORK, "not-a-trace.h5")
     with open(bad, "w") as f:

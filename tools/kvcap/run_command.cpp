@@ -18,6 +18,8 @@
 #include "kvscope/kernels/common.hpp"
 #include "kvscope/runner/error.hpp"
 #include "kvscope/runner/model.hpp"
+#include "kvscope/sim/report.hpp"
+#include "kvscope/trace/dataset.hpp"
 #include "kvscope/trace/schema.hpp"
 #include "kvscope_capture.h"
 
@@ -158,7 +160,9 @@ po::options_description make_options() {
   po::options_description opts(
       "kvcap run --model DIR (--image PNG [--image PNG2] | --scene SEED[,SEED2]) --question TEXT -o FILE\n"
       "kvcap run --model DIR (--prompt TEXT | --prompt-file F) [--chat] [--max-new N] -o FILE\n"
-      "kvcap run --model DIR --task NAME [--length N] [--seed S] [--sample I] -o FILE\n\n"
+      "kvcap run --model DIR --task NAME [--length N] [--seed S] [--sample I] -o FILE\n"
+      "kvcap run --model DIR --heldout I -o FILE\n"
+      "kvcap run --model DIR [--task NAME [--length N] [--seed S]] --samples N -o DIR/\n\n"
       "Runs a model directory and captures the run into a trace. Two kinds of model:\n"
       "  - a kvscope tiny VLM (config.json KvscopeTinyVlm, model.safetensors, vocab.json): one or two\n"
       "    images (--image or --scene) and a --question in its vocabulary;\n"
@@ -178,6 +182,9 @@ po::options_description make_options() {
       "V,\n"
       "per decode step the fed token's Q/K/V, token labels (special, vision with patch grid and image\n"
       "index, text), each token's text, and steady-clock ranges per layer, attention and MLP.\n"
+      "--samples N writes a dataset (docs/datasets.md): samples 0..N-1 (the tiny VLM's heldout.json, or the\n"
+      "--task prompts) captured into DIR/s00000.h5 ..., then DIR/manifest.csv with each sample's family,\n"
+      "context length, images, question, reference answer, generated answer and capture command.\n"
       "Prints the answer (decoded text) and the prefill/decode times on stdout. The trace is marked "
       "complete\n"
       "only when the run succeeded; on any error the partial file is removed and the exit status is 2.\n\n"
@@ -191,6 +198,11 @@ po::options_description make_options() {
       "tiny VLM: procedural scene seed(s) instead of images: SEED or SEED1,SEED2")(
       "question", po::value<std::string>(),
       "tiny VLM: the question, in the model's vocabulary (e.g. \"how many shapes ?\")")(
+      "heldout", po::value<int>(),
+      "tiny VLM: held-out sample I of the model's heldout.json (its scenes and question)")(
+      "samples", po::value<int>(),
+      "capture samples 0..N-1 (tiny VLM: heldout.json; text model: --task prompts) into the dataset "
+      "directory -o DIR (docs/datasets.md)")("quiet,q", "with --samples: no progress bar")(
       "prompt", po::value<std::string>(), "text model: the prompt text")(
       "prompt-file", po::value<std::string>(), "text model: read the prompt text from this file (UTF-8)")(
       "chat", po::bool_switch(), "text model: render the prompt as a user message through the chat template")(
@@ -215,8 +227,8 @@ po::options_description make_options() {
       "threads", po::value<int>()->default_value(0),
       "CPU threads (0 = all cores; at most 4 x the hardware threads, 1024)")(
       "dtype", po::value<std::string>()->default_value("float32"),
-      "tensor dtype in the trace: float32, float16, bfloat16")("output,o", po::value<std::string>(),
-                                                               "output trace file (.h5)");
+      "tensor dtype in the trace: float32, float16, bfloat16")(
+      "output,o", po::value<std::string>(), "output trace file (.h5); with --samples the dataset directory");
   return opts;
 }
 
@@ -252,6 +264,134 @@ std::string read_prompt(const po::variables_map& vm) {
                                          : vm["prompt-file"].as<std::string>() + ": the prompt is empty");
   return text;
 }
+// A prompt ready to capture: the prefill, the roles of the whole prompt (--task; empty otherwise) and the
+// tokens fed after the prefill as decode steps.
+struct Prepared {
+  runner::Prompt prompt;
+  std::vector<std::uint8_t> roles;
+  std::vector<std::int32_t> after_prefill;
+  int images = 0;
+};
+
+// --task sample `s`: without `whole_prompt` the prefill is the prompt up to the question and the rest
+// (question, end of the user turn, answer prefix) is fed after it. Throws std::invalid_argument.
+Prepared task_prompt(runner::Model& model, const runner::ChatTemplate& chat_template,
+                     const closedloop::TaskSample& s, bool whole_prompt) {
+  Prepared p;
+  const std::vector<std::int32_t> ids =
+      model.tokenizer().encode(closedloop::task_prompt_text(chat_template, s));
+  p.roles = closedloop::task_token_roles(model.tokenizer(), ids, chat_template, s);
+  std::size_t split = ids.size();
+  if (!whole_prompt) {
+    split = static_cast<std::size_t>(
+        std::find(p.roles.begin(), p.roles.end(), static_cast<std::uint8_t>(trace::Role::kQuestion)) -
+        p.roles.begin());
+    if (split == 0 || split == ids.size())
+      throw std::invalid_argument("task prompt without a context or a question");
+  }
+  p.prompt = model.build_prompt_from_ids(
+      std::vector<std::int32_t>(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(split)));
+  p.after_prefill.assign(ids.begin() + static_cast<std::ptrdiff_t>(split), ids.end());
+  return p;
+}
+
+Prepared vlm_prompt(runner::Model& model, const std::vector<runner::Image>& images,
+                    const std::string& question) {
+  Prepared p;
+  p.prompt = model.build_prompt(images, question);
+  p.images = static_cast<int>(images.size());
+  return p;
+}
+
+// Captures one run of `p` into the trace `out`. On any error the partial file is removed and the error
+// (one line) is thrown as std::runtime_error.
+runner::Generation capture_trace(runner::Model& model, const Prepared& p, const std::string& out,
+                                 kvscope_dtype dtype, int max_new, int question_chunk) {
+  const runner::Prompt& prompt = p.prompt;
+  const runner::ModelConfig& mc = model.config();
+  kvscope_capture_config cfg{};
+  cfg.struct_size = sizeof(cfg);
+  cfg.num_layers = mc.num_layers;
+  cfg.num_q_heads = mc.num_q_heads;
+  cfg.num_kv_heads = mc.num_kv_heads;
+  cfg.head_dim = mc.head_dim;
+  cfg.rope_theta = mc.rope_base();
+  cfg.model_name = mc.model_name.c_str();
+  const std::string device_label = model.backend().device_name();
+  cfg.device = device_label.c_str();
+  cfg.dtype = dtype;
+  cfg.max_decode_steps = max_new + static_cast<int>(p.after_prefill.size());
+  cfg.profile = 1;
+  kvscope_capture* cap = nullptr;
+  std::error_code ec;
+  if (kvscope_capture_open(out.c_str(), &cfg, prompt.size(), &cap) != KVSCOPE_OK) {
+    const std::string msg = kvscope_capture_last_error();
+    if (std::filesystem::exists(out, ec)) std::filesystem::remove(out, ec);
+    throw std::runtime_error(out + ": cannot create the trace (" + msg + ")");
+  }
+  runner::Generation gen;
+  try {
+    const std::size_t t = static_cast<std::size_t>(prompt.size());
+    std::vector<std::uint8_t> modality(t);
+    std::vector<std::int32_t> position(t), token_id(t), segment(t), grid_row(t), grid_col(t);
+    std::vector<const char*> text(t);
+    for (std::size_t i = 0; i < t; ++i) {
+      const runner::TokenInfo& tok = prompt.tokens[i];
+      modality[i] = tok.modality;
+      position[i] = tok.position;
+      token_id[i] = tok.token_id;
+      segment[i] = tok.segment;
+      grid_row[i] = tok.grid_row;
+      grid_col[i] = tok.grid_col;
+      text[i] = prompt.text[i].c_str();
+    }
+    check(kvscope_capture_set_tokens(cap, modality.data(), position.data(), token_id.data(), segment.data(),
+                                     grid_row.data(), grid_col.data(), text.data()),
+          "setting tokens");
+    CaptureObserver observer(cap, model.tokenizer());
+    runner::GenerateOptions gopt;
+    gopt.max_new = max_new;
+    gopt.observer = &observer;
+    gopt.after_prefill = p.after_prefill;
+    gopt.after_prefill_chunk = p.roles.empty() ? 0 : question_chunk;
+    gen = model.generate(prompt, gopt);
+    observer.rethrow();
+    if (!p.roles.empty()) {
+      // Roles: the prefill's from the prompt; decode steps: the fed prompt tokens', then answer.
+      check(kvscope_capture_set_token_roles(cap, p.roles.data()), "setting token roles");
+      std::vector<std::uint8_t> decode_roles(p.roles.begin() + prompt.size(), p.roles.end());
+      decode_roles.resize(static_cast<std::size_t>(gen.decode_steps),
+                          static_cast<std::uint8_t>(trace::Role::kAnswer));
+      check(kvscope_capture_set_decode_roles(cap, decode_roles.data(),
+                                             static_cast<std::int64_t>(decode_roles.size())),
+            "setting decode roles");
+    }
+  } catch (const std::exception& e) {
+    kvscope_capture_abort(cap);
+    std::filesystem::remove(out, ec);
+    throw std::runtime_error(e.what());
+  }
+  if (kvscope_capture_close(cap) != KVSCOPE_OK) {
+    const std::string msg = kvscope_capture_last_error();
+    std::filesystem::remove(out, ec);
+    throw std::runtime_error(out + ": closing the trace failed (" + msg + ")");
+  }
+  return gen;
+}
+
+// The kvcap run command that captures one trace, shell-quoted (the manifest's capture_command).
+std::string capture_command(std::vector<std::string> args) {
+  args.insert(args.begin(), {"kvcap", "run"});
+  std::vector<const char*> argv;
+  for (const std::string& a : args) argv.push_back(a.c_str());
+  return sim::command_line_string(static_cast<int>(argv.size()), argv.data());
+}
+
+std::string seed_text(const std::vector<std::uint64_t>& seeds, char sep) {
+  std::string out;
+  for (std::uint64_t s : seeds) out.append(out.empty() ? "" : std::string(1, sep)).append(std::to_string(s));
+  return out;
+}
 
 }  // namespace
 
@@ -274,14 +414,18 @@ int run_command(const std::vector<std::string>& args) {
     return fail(e.what());
   }
   const bool has_image = vm.count("image") != 0, has_scene = vm.count("scene") != 0;
+  const bool has_heldout = vm.count("heldout") != 0;
   const bool chat = vm["chat"].as<bool>();
+  const bool dataset = vm.count("samples") != 0;
+  const bool task = vm.count("task") != 0;
   if (text_model) {
-    for (const char* vlm_only : {"scene", "image", "question"}) {
+    for (const char* vlm_only : {"scene", "image", "question", "heldout"}) {
       if (vm.count(vlm_only)) {
         return fail(std::string("--") + vlm_only + " is for the tiny VLM; " + model_dir +
                     " is a text model (use --prompt or --prompt-file)");
       }
     }
+    if (dataset && !task) return fail("--samples on a text model needs --task (the samples are its prompts)");
   } else {
     for (const char* text_only : {"prompt", "prompt-file", "chat", "task", "length", "seed", "sample",
                                   "haystack", "whole-prompt", "question-chunk"}) {
@@ -290,11 +434,32 @@ int run_command(const std::vector<std::string>& args) {
                     " is the tiny VLM (use --image or --scene and --question)");
       }
     }
-    if (!vm.count("question")) return fail("missing --question (see kvcap run --help)");
-    if (has_image == has_scene) {
-      return fail(has_image ? "give either --image or --scene, not both"
-                            : "give --image PNG or --scene SEED (see kvcap run --help)");
+    if (dataset) {
+      for (const char* single : {"image", "scene", "question", "heldout"}) {
+        if (vm.count(single))
+          return fail(std::string("--") + single +
+                      " captures one trace; --samples takes heldout.json's samples");
+      }
+    } else if (has_heldout) {
+      if (has_image || has_scene || vm.count("question"))
+        return fail("--heldout takes the sample's scenes and question: drop --image, --scene and --question");
+    } else {
+      if (!vm.count("question")) return fail("missing --question (see kvcap run --help)");
+      if (has_image == has_scene) {
+        return fail(has_image ? "give either --image or --scene, not both"
+                              : "give --image PNG or --scene SEED (see kvcap run --help)");
+      }
     }
+  }
+  int num_samples = 0;
+  if (dataset) {
+    num_samples = vm["samples"].as<int>();
+    if (num_samples < 1 || num_samples > 100000)
+      return fail("--samples must be in 1..100000, got " + std::to_string(num_samples));
+    if (vm.count("sample") && !vm["sample"].defaulted())
+      return fail("--sample captures one trace; --samples N captures samples 0..N-1");
+  } else if (vm.count("quiet")) {
+    return fail("--quiet is for --samples (one capture shows no progress bar)");
   }
   const int max_new = vm.count("max-new") ? vm["max-new"].as<int>() : (text_model ? 64 : 16);
   if (max_new < 1 || max_new > 1024)
@@ -314,8 +479,15 @@ int run_command(const std::vector<std::string>& args) {
     return fail("--dtype '" + dtype_name + "' is not one of float32, float16, bfloat16");
   }
   const std::string out = vm["output"].as<std::string>();
+  if (dataset) {
+    std::error_code ec;
+    if (std::filesystem::exists(out, ec) && !std::filesystem::is_directory(out, ec))
+      return fail(out + ": exists and is not a directory (--samples writes a dataset directory)");
+    if (std::filesystem::exists(std::filesystem::path(out) / trace::kManifestName, ec))
+      return fail(out + ": already a dataset (has " + trace::kManifestName +
+                  "); remove it or choose another -o");
+  }
   std::string question, prompt_text;
-  const bool task = vm.count("task") != 0;
   if (!task) {
     for (const char* task_only : {"length", "seed", "sample", "haystack", "whole-prompt", "question-chunk"}) {
       if (vm.count(task_only) && !vm[task_only].defaulted())
@@ -323,6 +495,7 @@ int run_command(const std::vector<std::string>& args) {
     }
   }
   closedloop::Haystack haystack;
+  std::vector<closedloop::HeldoutSample> heldout;
   try {
     if (task) {
       if (vm.count("prompt") || vm.count("prompt-file") || chat)
@@ -344,6 +517,16 @@ int run_command(const std::vector<std::string>& args) {
                                                          : closedloop::default_haystack_paths());
     } else if (text_model) {
       prompt_text = read_prompt(vm);
+    } else if (dataset || has_heldout) {
+      heldout = closedloop::load_heldout(model_dir);
+      const int want = dataset ? num_samples : vm["heldout"].as<int>() + 1;
+      if (has_heldout && vm["heldout"].as<int>() < 0) return fail("--heldout must be >= 0");
+      if (want > static_cast<int>(heldout.size())) {
+        return fail((dataset ? "--samples " + std::to_string(num_samples)
+                             : "--heldout " + std::to_string(vm["heldout"].as<int>())) +
+                    " but " + model_dir + "/heldout.json has only " + std::to_string(heldout.size()) +
+                    " samples");
+      }
     } else {
       question = vm["question"].as<std::string>();
       if (question.find_first_not_of(" \t\r\n") == std::string::npos) return fail("--question is empty");
@@ -352,43 +535,36 @@ int run_command(const std::vector<std::string>& args) {
     return fail(e.what());
   } catch (const closedloop::TaskError& e) {
     return fail(e.what());
+  } catch (const closedloop::EvalError& e) {
+    return fail(e.what());
   }
   kernels::set_cpu_threads(threads);
 
   // Everything that can be checked is checked before the output file is created.
   std::optional<runner::Model> model;
-  runner::Prompt prompt;
-  std::optional<closedloop::TaskSample> task_sample;
-  std::vector<std::uint8_t> prompt_roles;   // --task: role of every prompt token
-  std::vector<std::int32_t> after_prefill;  // --task: tokens fed after the prefill (decode steps)
+  std::optional<runner::ChatTemplate> chat_template;
+  std::vector<closedloop::TaskSample> task_samples;
+  Prepared single;
   try {
     model.emplace(
         runner::Model::load(model_dir, device_name == "cuda" ? runner::Device::kCuda : runner::Device::kCpu));
     if (task) {
       // Samples 0..I are drawn (sample i depends only on task, length, seed and i) and I is run.
-      const runner::ChatTemplate chat_template = runner::ChatTemplate::load(model_dir);
-      const auto samples = closedloop::make_task_samples(
-          vm["task"].as<std::string>(), vm["length"].as<int>(), vm["sample"].as<int>() + 1,
-          vm["seed"].as<unsigned long long>(), haystack, closedloop::token_counter(model->tokenizer()));
-      task_sample = samples.back();
-      // Roles of the whole prompt; without --whole-prompt the prefill is the prompt up to the question
-      // and the rest (question, end of the user turn, answer prefix) is fed after it as decode steps.
-      const std::vector<std::int32_t> ids =
-          model->tokenizer().encode(closedloop::task_prompt_text(chat_template, *task_sample));
-      prompt_roles = closedloop::task_token_roles(model->tokenizer(), ids, chat_template, *task_sample);
-      std::size_t split = ids.size();
-      if (!vm["whole-prompt"].as<bool>()) {
-        split = static_cast<std::size_t>(std::find(prompt_roles.begin(), prompt_roles.end(),
-                                                   static_cast<std::uint8_t>(trace::Role::kQuestion)) -
-                                         prompt_roles.begin());
-        if (split == 0 || split == ids.size()) return fail("task prompt without a context or a question");
-      }
-      prompt = model->build_prompt_from_ids(
-          std::vector<std::int32_t>(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(split)));
-      after_prefill.assign(ids.begin() + static_cast<std::ptrdiff_t>(split), ids.end());
+      chat_template.emplace(runner::ChatTemplate::load(model_dir));
+      task_samples = closedloop::make_task_samples(vm["task"].as<std::string>(), vm["length"].as<int>(),
+                                                   dataset ? num_samples : vm["sample"].as<int>() + 1,
+                                                   vm["seed"].as<unsigned long long>(), haystack,
+                                                   closedloop::token_counter(model->tokenizer()));
+      if (!dataset)
+        single = task_prompt(*model, *chat_template, task_samples.back(), vm["whole-prompt"].as<bool>());
     } else if (text_model) {
-      prompt = chat ? model->build_chat_prompt(prompt_text) : model->build_text_prompt(prompt_text);
-    } else {
+      single.prompt = chat ? model->build_chat_prompt(prompt_text) : model->build_text_prompt(prompt_text);
+    } else if (has_heldout) {
+      const closedloop::HeldoutSample& h = heldout[static_cast<std::size_t>(vm["heldout"].as<int>())];
+      std::vector<runner::Image> images;
+      for (std::uint64_t seed : h.image_seeds) images.push_back(runner::render_scene(seed).image);
+      single = vlm_prompt(*model, images, h.question);
+    } else if (!dataset) {
       const auto& vc = model->config().vision;
       std::vector<runner::Image> images;
       if (has_scene) {
@@ -399,7 +575,7 @@ int run_command(const std::vector<std::string>& args) {
         if (paths.size() > 2) return fail("at most two --image");
         for (const auto& p : paths) images.push_back(runner::load_image(p, vc.image_size, vc.image_size));
       }
-      prompt = model->build_prompt(images, question);
+      single = vlm_prompt(*model, images, question);
     }
   } catch (const RunnerError& e) {
     return fail(e.what());
@@ -408,77 +584,89 @@ int run_command(const std::vector<std::string>& args) {
   } catch (const closedloop::TaskError& e) {
     return fail(e.what());
   }
-
   const runner::ModelConfig& mc = model->config();
-  kvscope_capture_config cfg{};
-  cfg.struct_size = sizeof(cfg);
-  cfg.num_layers = mc.num_layers;
-  cfg.num_q_heads = mc.num_q_heads;
-  cfg.num_kv_heads = mc.num_kv_heads;
-  cfg.head_dim = mc.head_dim;
-  cfg.rope_theta = mc.rope_base();
-  cfg.model_name = mc.model_name.c_str();
+  const int chunk = task ? vm["question-chunk"].as<int>() : 0;
   const std::string device_label = model->backend().device_name();
-  cfg.device = device_label.c_str();
-  cfg.dtype = dtype;
-  cfg.max_decode_steps = max_new + static_cast<int>(after_prefill.size());
-  cfg.profile = 1;
-  kvscope_capture* cap = nullptr;
-  if (kvscope_capture_open(out.c_str(), &cfg, prompt.size(), &cap) != KVSCOPE_OK) {
-    const std::string msg = kvscope_capture_last_error();
+
+  if (dataset) {
+    // A dataset (docs/datasets.md): one trace per sample, then manifest.csv, written last (to a temporary
+    // name, renamed): a directory without it is not a dataset.
     std::error_code ec;
-    if (std::filesystem::exists(out, ec)) std::filesystem::remove(out, ec);
-    return fail(out + ": cannot create the trace (" + msg + ")");
+    std::filesystem::create_directories(out, ec);
+    if (ec) return fail(out + ": cannot create the dataset directory (" + ec.message() + ")");
+    std::vector<std::vector<std::string>> rows;
+    cli::ProgressBar bar("kvcap run", static_cast<std::size_t>(num_samples), !vm.count("quiet"));
+    int correct = 0;
+    for (int i = 0; i < num_samples; ++i) {
+      char name[32];
+      std::snprintf(name, sizeof name, "s%05d", i);
+      const std::string file = std::string(name) + ".h5";
+      const std::string path = (std::filesystem::path(out) / file).string();
+      std::vector<std::string> cmd = {"--model", model_dir};
+      std::string family, questions, reference, seeds, task_name, length, seed, sample_index;
+      Prepared p;
+      try {
+        if (task) {
+          const closedloop::TaskSample& s = task_samples[static_cast<std::size_t>(i)];
+          p = task_prompt(*model, *chat_template, s, vm["whole-prompt"].as<bool>());
+          family = task_name = s.task;
+          questions = s.question;
+          reference = s.answer;
+          length = std::to_string(s.length);
+          seed = std::to_string(s.seed);
+          sample_index = std::to_string(s.index);
+          cmd.insert(cmd.end(),
+                     {"--task", s.task, "--length", length, "--seed", seed, "--sample", sample_index});
+          if (vm.count("haystack"))
+            for (const auto& h : vm["haystack"].as<std::vector<std::string>>())
+              cmd.insert(cmd.end(), {"--haystack", h});
+          if (vm["whole-prompt"].as<bool>()) cmd.push_back("--whole-prompt");
+          if (chunk) cmd.insert(cmd.end(), {"--question-chunk", std::to_string(chunk)});
+        } else {
+          const closedloop::HeldoutSample& h = heldout[static_cast<std::size_t>(i)];
+          std::vector<runner::Image> images;
+          for (std::uint64_t sd : h.image_seeds) images.push_back(runner::render_scene(sd).image);
+          p = vlm_prompt(*model, images, h.question);
+          family = closedloop::kFamilies[static_cast<std::size_t>(h.family)];
+          questions = h.question;
+          reference = h.answer;
+          seeds = seed_text(h.image_seeds, ';');
+          sample_index = std::to_string(h.index);
+          cmd.insert(cmd.end(), {"--heldout", std::to_string(i)});
+        }
+        cmd.insert(cmd.end(), {"--max-new", std::to_string(max_new), "--dtype", dtype_name, "-o", path});
+        const runner::Generation gen = capture_trace(*model, p, path, dtype, max_new, chunk);
+        const bool ok = closedloop::answer_matches(gen.text, reference);
+        correct += ok ? 1 : 0;
+        rows.push_back({name, file, family, std::to_string(p.prompt.size()), std::to_string(gen.decode_steps),
+                        std::to_string(p.images), seeds, questions, reference, gen.text, ok ? "1" : "0",
+                        task_name, length, seed, sample_index, mc.model_name, capture_command(cmd)});
+      } catch (const std::exception& e) {
+        return fail("sample " + std::string(name) + ": " + e.what() + " (" + out +
+                    " is left without a manifest: not a dataset)");
+      }
+      bar.update(static_cast<std::size_t>(i + 1));
+    }
+    bar.finish();
+    try {
+      trace::write_manifest(out, trace::manifest_columns(), rows);
+    } catch (const trace::TraceError& e) {
+      return fail(e.what());
+    }
+    std::printf("wrote dataset %s: %d samples (%s), %d/%d answers match the reference; device %s, %s\n",
+                out.c_str(), num_samples, (std::filesystem::path(out) / trace::kManifestName).c_str(),
+                correct, num_samples, device_label.c_str(), dtype_name.c_str());
+    return kExitOk;
   }
+
   runner::Generation gen;
   try {
-    const std::size_t t = static_cast<std::size_t>(prompt.size());
-    std::vector<std::uint8_t> modality(t);
-    std::vector<std::int32_t> position(t), token_id(t), segment(t), grid_row(t), grid_col(t);
-    std::vector<const char*> text(t);
-    for (std::size_t i = 0; i < t; ++i) {
-      const runner::TokenInfo& tok = prompt.tokens[i];
-      modality[i] = tok.modality;
-      position[i] = tok.position;
-      token_id[i] = tok.token_id;
-      segment[i] = tok.segment;
-      grid_row[i] = tok.grid_row;
-      grid_col[i] = tok.grid_col;
-      text[i] = prompt.text[i].c_str();
-    }
-    check(kvscope_capture_set_tokens(cap, modality.data(), position.data(), token_id.data(), segment.data(),
-                                     grid_row.data(), grid_col.data(), text.data()),
-          "setting tokens");
-    CaptureObserver observer(cap, model->tokenizer());
-    runner::GenerateOptions gopt;
-    gopt.max_new = max_new;
-    gopt.observer = &observer;
-    gopt.after_prefill = after_prefill;
-    gopt.after_prefill_chunk = task ? vm["question-chunk"].as<int>() : 0;
-    gen = model->generate(prompt, gopt);
-    observer.rethrow();
-    if (task) {
-      // Roles: the prefill's from the prompt; decode steps: the fed prompt tokens', then answer.
-      check(kvscope_capture_set_token_roles(cap, prompt_roles.data()), "setting token roles");
-      std::vector<std::uint8_t> decode_roles(prompt_roles.begin() + prompt.size(), prompt_roles.end());
-      decode_roles.resize(static_cast<std::size_t>(gen.decode_steps),
-                          static_cast<std::uint8_t>(trace::Role::kAnswer));
-      check(kvscope_capture_set_decode_roles(cap, decode_roles.data(),
-                                             static_cast<std::int64_t>(decode_roles.size())),
-            "setting decode roles");
-    }
+    gen = capture_trace(*model, single, out, dtype, max_new, chunk);
   } catch (const std::exception& e) {
-    kvscope_capture_abort(cap);
-    std::error_code ec;
-    std::filesystem::remove(out, ec);
     return fail(e.what());
   }
-  if (kvscope_capture_close(cap) != KVSCOPE_OK) {
-    const std::string msg = kvscope_capture_last_error();
-    std::error_code ec;
-    std::filesystem::remove(out, ec);
-    return fail(out + ": closing the trace failed (" + msg + ")");
-  }
+  const runner::Prompt& prompt = single.prompt;
+  const closedloop::TaskSample* task_sample = task ? &task_samples.back() : nullptr;
   const double prefill_tps = gen.prefill_ms > 0 ? prompt.size() / gen.prefill_ms * 1e3 : 0;
   const double decode_tps = gen.decode_ms > 0 ? gen.decode_steps / gen.decode_ms * 1e3 : 0;
   std::printf("answer: %s\n", gen.text.c_str());
@@ -488,6 +676,13 @@ int run_command(const std::vector<std::string>& args) {
                 static_cast<unsigned long long>(task_sample->seed), task_sample->depth,
                 task_sample->answer.c_str(),
                 closedloop::answer_matches(gen.text, task_sample->answer) ? "correct" : "wrong");
+  }
+  if (has_heldout) {
+    const closedloop::HeldoutSample& h = heldout[static_cast<std::size_t>(vm["heldout"].as<int>())];
+    std::printf("heldout: sample %d (%s, scenes %s): expected \"%s\", %s\n", h.index,
+                closedloop::kFamilies[static_cast<std::size_t>(h.family)],
+                seed_text(h.image_seeds, ',').c_str(), h.answer.c_str(),
+                closedloop::answer_matches(gen.text, h.answer) ? "correct" : "wrong");
   }
   std::printf(
       "prefill: %d tokens in %.2f ms (%.0f tokens/s); decode: %d steps in %.2f ms (%.0f tokens/s); "
@@ -499,7 +694,7 @@ int run_command(const std::vector<std::string>& args) {
               dtype_name.c_str());
   if (task) {
     int counts[trace::kNumRoles] = {};
-    for (std::uint8_t r : prompt_roles) ++counts[r];
+    for (std::uint8_t r : single.roles) ++counts[r];
     std::printf(
         "roles: %d context, %d question, %d template, %d answer prefix tokens; %d of them fed after the "
         "prefill as decode steps, then %d generated\n",

@@ -1,17 +1,18 @@
 #include "sweep_command.hpp"
 
-#include <boost/program_options.hpp>
-
 #include <algorithm>
+#include <boost/program_options.hpp>
 #include <iostream>
 #include <memory>
 #include <sstream>
 
+#include "dataset_sweep.hpp"
 #include "kvscope/cli/options.hpp"
 #include "kvscope/cli/progress.hpp"
 #include "kvscope/kernels/common.hpp"
 #include "kvscope/kernels/device.hpp"
 #include "kvscope/sim/backend.hpp"
+#include "kvscope/sim/dataset.hpp"
 #include "kvscope/sim/info.hpp"
 #include "kvscope/sim/pareto.hpp"
 #include "kvscope/sim/report.hpp"
@@ -70,19 +71,34 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
   const bool sweep = command == "sweep";
   PolicyRegistry registry;
   const std::string usage =
-      sweep ? "kvsim sweep --trace FILE [--policies a,b,...] [--budgets 0.1:0.9:0.1,512tok,64MiB] [-o results.h5] "
-              "[--csv results.csv]\n\n"
-              "Replays the trace through every policy at every budget, one layer at a time (one layer's\n"
-              "tensors and statistics in memory), and prints memory and quality per point with the Pareto front of\n"
-              "memory vs output error and the collapse flags. Per-layer statistics (attention scores,\n"
-              "key norms, redundancy) are computed once and shared by all policies. Beside the policies, in a\n"
-              "table of their own and never on the Pareto front, it reports the oracle-topk bound (the tokens with\n"
-              "the most attention from the trace's own evaluation queries) and an allocation search at the sweep's\n"
-              "budgets (docs/policies.md, \"Bound and search rows in sweeps\").\n\nOptions"
-            : "kvsim run --trace FILE --policy NAME[@BUDGET] [-o results.h5] [--csv results.csv]\n\n"
-              "Replays the trace through one policy and prints memory and quality per point (add --layers\n"
-              "for the per-layer table).\n\n"
-              "Options";
+      sweep
+          ? "kvsim sweep --trace FILE [--policies a,b,...] [--budgets 0.1:0.9:0.1,512tok,64MiB] [-o "
+            "results.h5] "
+            "[--csv results.csv]\n\n"
+            "Replays the trace through every policy at every budget, one layer at a time (one layer's\n"
+            "tensors and statistics in memory), and prints memory and quality per point with the Pareto "
+            "front of\n"
+            "memory vs output error and the collapse flags. Per-layer statistics (attention scores,\n"
+            "key norms, redundancy) are computed once and shared by all policies. Beside the policies, in a\n"
+            "table of their own and never on the Pareto front, it reports the oracle-topk bound (the tokens "
+            "with\n"
+            "the most attention from the trace's own evaluation queries) and an allocation search at the "
+            "sweep's\n"
+            "budgets (docs/policies.md, \"Bound and search rows in sweeps\").\n\n"
+            "kvsim sweep --dataset DIR|LIST [--by family,length] [-o results.h5] [--csv aggregates.csv]\n"
+            "  [--samples-csv per-sample.csv]   (also: mpirun -np N kvsim sweep --dataset ...)\n\n"
+            "Replays every trace of a dataset (docs/datasets.md) and reports each sample and the mean with "
+            "a\n"
+            "bootstrap confidence interval of every metric per point x layer x modality, over all samples "
+            "and\n"
+            "per group (--by); the Pareto front and the bound are those of the means. Prints per budget the\n"
+            "best policies with their intervals. Under mpirun or srun the (trace x policy group) work units "
+            "are\n"
+            "spread over the ranks and rank 0 writes the one results file.\n\nOptions"
+          : "kvsim run --trace FILE --policy NAME[@BUDGET] [-o results.h5] [--csv results.csv]\n\n"
+            "Replays the trace through one policy and prints memory and quality per point (add --layers\n"
+            "for the per-layer table).\n\n"
+            "Options";
   po::options_description opts(usage);
   opts.add_options()("help,h", "show this help")("trace,t", po::value<std::string>(), "trace file (kvscope-trace v1)");
   if (sweep) {
@@ -98,6 +114,7 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
         "oracle", po::value<std::string>(), "deprecated name of --alloc-search (prints a warning)")(
         "no-bound", "do not add the oracle-topk bound rows (the tokens with the most attention from the trace's "
         "own evaluation queries, at every budget of the sweep; added by default)");
+    add_dataset_options(opts);
   } else {
     opts.add_options()("policy,p", po::value<std::string>(), "policy and budget, e.g. h2o@0.3, h2o+int8@512tok; unicache, adaptive and the "
         "quantizers (int8, int4, kivi2) need no budget");
@@ -132,7 +149,16 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
   po::variables_map vm;
   const std::string name = "kvsim " + command;
   if (const auto exit = cli::parse_options(name, args, opts, vm, "\n" + policy_help(registry))) return *exit;
-  if (!vm.count("trace")) return cli::missing(name, "--trace FILE");
+  const bool dataset = sweep && vm.count("dataset") != 0;
+  if (!dataset && !vm.count("trace"))
+    return cli::missing(name, sweep ? "--trace FILE (or --dataset DIR)" : "--trace FILE");
+  if (sweep && !dataset) {
+    for (const char* only :
+         {"by", "bootstrap", "seed", "confidence", "top", "skip-bad", "policy-groups", "samples-csv"}) {
+      if (vm.count(only) && !vm[only].defaulted())
+        return cli::fail(name, std::string("--") + only + " needs --dataset");
+    }
+  }
   if (const std::string r = vm["rank-by"].as<std::string>();
       r != "default" && r != "none" &&
       (", " + rank_proxy_names() + ",").find(", " + r + ",") == std::string::npos) {
@@ -146,11 +172,13 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
   }
   // Untrusted input: parsed first in an isolated child, before any thread or device is started.
   if (vm.count("trusted-files")) trace::set_trusted_files(true);
-  try {
-    trace::check_trace_file(vm["trace"].as<std::string>());
-  } catch (const trace::TraceError& e) {
-    std::cerr << name << ": " << e.what() << "\n";
-    return 2;
+  if (!dataset) {
+    try {
+      trace::check_trace_file(vm["trace"].as<std::string>());
+    } catch (const trace::TraceError& e) {
+      std::cerr << name << ": " << e.what() << "\n";
+      return 2;
+    }
   }
   const int threads = vm["threads"].as<int>();
   if (const std::string bad = cli::check_threads(threads); !bad.empty()) {
@@ -189,9 +217,6 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
     return 2;
   }
   try {
-    trace::TraceReader reader(vm["trace"].as<std::string>());
-    require_replayable(reader, name);
-    const TraceSummary summary = summarize(reader);
     SweepOptions so;
     so.backend = backend;
     so.question_in_context = vm.count("question-in-context") != 0;
@@ -219,6 +244,10 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
         }
       }
     }
+    if (dataset) return run_dataset_sweep(name, vm, points, so, argv_line, threads);
+    trace::TraceReader reader(vm["trace"].as<std::string>());
+    require_replayable(reader, name);
+    const TraceSummary summary = summarize(reader);
     const std::size_t bar_total = points.size() * static_cast<std::size_t>(reader.geometry().num_layers);
     cli::ProgressBar bar(name, bar_total, !vm.count("quiet"));
     so.progress = [&](std::size_t done, std::size_t total) { bar.update(total ? done * bar_total / total : done); };

@@ -45,6 +45,37 @@ struct ResultsMeta {
   std::string attention_statistics;        // stored /aggregates or recomputed (SweepOutput); "" = not said
   std::string command_line;                // the kvsim invocation, shell-quoted
   std::string created;                     // ISO-8601 UTC; empty = time of writing
+  // A dataset sweep's file (results format 1.4, kvsim sweep --dataset): the root attributes of its
+  // samples and bootstrap; the counts above are then sums over the successful samples.
+  bool dataset = false;
+  std::string dataset_source;  // the dataset directory, or the list / glob of traces
+  std::int64_t num_samples = 0, failed_samples = 0;
+  std::int64_t bootstrap_resamples = 0;
+  std::uint64_t bootstrap_seed = 0;
+  double confidence = 0.95;
+  std::string group_by;  // the --by groupings, comma-separated ("" = none)
+};
+
+// A table of named columns, one value per row in each (results format 1.4: /samples, /sample_points and
+// /aggregate of a dataset sweep); written as one HDF5 group of 1-D datasets or as one CSV file.
+struct ResultsColumn {
+  enum class Type { kF64, kI64, kStr };
+  std::string name, description;
+  Type type = Type::kF64;
+  std::vector<double> f64;
+  std::vector<std::int64_t> i64;
+  std::vector<std::string> str;
+  std::size_t size() const {
+    return type == Type::kF64 ? f64.size() : type == Type::kI64 ? i64.size() : str.size();
+  }
+};
+struct ResultsTable {
+  std::string name;         // HDF5 group, e.g. "aggregate"
+  std::string description;  // its description attribute
+  std::vector<ResultsColumn> columns;
+  std::size_t rows() const { return columns.empty() ? 0 : columns.front().size(); }
+  ResultsColumn& add(std::string name, ResultsColumn::Type type, std::string description);
+  ResultsColumn* find(const std::string& name);
 };
 
 // Meta from a trace summary (kvsim run/sweep fill command_line from argv).
@@ -89,11 +120,17 @@ void write_csv(const std::string& path, const std::vector<PointResult>& points, 
 void write_csv(std::ostream& os, const std::vector<PointResult>& points, const ResultsMeta& meta);
 std::string format_csv(const std::vector<PointResult>& points, const ResultsMeta& meta);
 
-// HDF5 results file (format "kvscope-results", version 1.3), written to path + ".partial" and
-// renamed when complete; throws ReportError (leaving no file) on failure.
-void write_hdf5(const std::string& path, const std::vector<PointResult>& points, const ResultsMeta& meta);
+// HDF5 results file (format "kvscope-results", version 1.4), written to path + ".partial" and
+// renamed when complete; throws ReportError (leaving no file) on failure. `tables` become groups of
+// their own (a dataset sweep's /samples, /sample_points, /aggregate).
+void write_hdf5(const std::string& path, const std::vector<PointResult>& points, const ResultsMeta& meta,
+                const std::vector<ResultsTable>& tables = {});
+
+// CSV of one table: a header of the column names, then one line per row (same quoting and number text
+// as write_csv). Written to path + ".partial" and renamed; throws ReportError (leaving no file).
+void write_table_csv(const std::string& path, const ResultsTable& table);
 
 inline constexpr const char* kResultsFormat = "kvscope-results";
-inline constexpr const char* kResultsVersion = "1.3";
+inline constexpr const char* kResultsVersion = "1.4";
 
 }  // namespace kvscope::sim

@@ -2,6 +2,7 @@
 // write_hdf5: what kvview and scripts use to get PointResults back without re-running a sweep.
 #pragma once
 
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -35,6 +36,19 @@ class ResultsReadError : public std::runtime_error {
 // "prefill"; from 1.1 on they are required.
 // Thread-compatible: HDF5 is not thread-safe, so callers serialise it with any other HDF5 use.
 std::vector<PointResult> read_results_hdf5(const std::string& path, ResultsMeta* meta = nullptr);
+
+// A dataset sweep's mean of one metric over the samples and its bootstrap interval (results format 1.4,
+// /aggregate rows of the grouping "all", layer all, modality all).
+struct PointInterval {
+  double mean = 0, lo = 0, hi = 0;
+};
+struct PointIntervals {
+  PointInterval output_error, attention_recall, kl, bytes_ratio;
+  std::int64_t n = 0;  // samples with the point (0: no aggregate row)
+};
+// One entry per /points row; empty when the file has no /aggregate table (a single-trace sweep or a file
+// before 1.4). Throws ResultsReadError naming the file and the dataset.
+std::vector<PointIntervals> read_point_intervals(const std::string& path);
 
 // The pre-check of an untrusted results file (docs/robustness.md): refuses a non-regular file, then
 // (unless trace::trusted_files()) runs read_results_hdf5 in an isolated child with

@@ -87,6 +87,9 @@ struct SweepOptions {
   // Evaluate the budgets of one eviction-only policy together on the CPU backend (sim/src/budget_batch.hpp):
   // same results up to float rounding; false evaluates every point on its own.
   bool batch_budgets = true;
+  // Only the bound and search rows: the requested points define their budgets but are not replayed (a
+  // dataset sweep's work unit of its own, beside the units of the policy groups; kvsim sweep --dataset).
+  bool extra_rows_only = false;
 };
 
 struct SweepOutput {

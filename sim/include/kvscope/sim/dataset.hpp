@@ -1,0 +1,78 @@
+// Sweeps over datasets of traces (kvsim sweep --dataset, docs/datasets.md): the per-sample results of
+// every trace, their mean points (Pareto front and bound on the aggregates), and the mean with a seeded
+// bootstrap confidence interval of every metric per point x layer x modality, over all samples and per
+// metadata group. docs/results-format.md "Dataset sweeps" describes the tables.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kvscope/sim/info.hpp"
+#include "kvscope/sim/report.hpp"
+#include "kvscope/sim/results.hpp"
+#include "kvscope/sim/sweep.hpp"
+#include "kvscope/trace/dataset.hpp"
+
+namespace kvscope::sim {
+
+// One sample's replay: its points as a single-trace sweep reports them, or the error that failed it.
+struct SampleResult {
+  bool ok = false;
+  std::string error;  // one line, when !ok
+  ResultsMeta meta;   // the replay's shape (tokens, decode steps, roles, ...)
+  std::vector<PointResult> points;
+};
+
+// The results meta of one trace's sweep: the trace's summary with the replay's shape (context tokens and
+// decode steps after --question-in-context, roles, query sets) and the command line.
+ResultsMeta sweep_results_meta(const TraceSummary& summary, const SweepOutput& out, std::string command_line);
+
+struct BootstrapOptions {
+  int resamples = 1000;    // resamples of the samples, drawn with replacement
+  std::uint64_t seed = 0;  // each group's resamples come from (seed, grouping, group) only
+  double confidence = 0.95;
+};
+
+// The metrics aggregated per row (a point x layer or all x modality or all), in table order; on a
+// modality row attention_recall is that modality's recall and the shares are that modality's, the
+// other metrics are the layer's (as in the CSV). With `query_sets` the answer/question metrics follow.
+std::vector<std::string> aggregate_metric_names(bool query_sets);
+
+// Length bucket of a context of `tokens` tokens: "128-255" (powers of two), "0-0" for 0.
+std::string length_bucket(std::int64_t tokens);
+
+// Mean and percentile bootstrap interval of `values` (NaN values ignored; NaN when none is finite):
+// `resamples` resamples of the values' indices from a splitmix64 stream seeded with `seed`.
+struct Interval {
+  double mean = 0, lo = 0, hi = 0;
+};
+Interval bootstrap_interval(const std::vector<double>& values, const BootstrapOptions& options,
+                            std::uint64_t seed);
+
+struct DatasetResults {
+  std::vector<PointResult> points;   // mean over the successful samples that have the point
+  std::vector<ResultsTable> tables;  // samples, sample_points, aggregate
+  ResultsMeta meta;                  // root attributes of the file
+  bool has_roles = false;
+};
+
+// Throws std::runtime_error naming the grouping when a --by name is neither "length" nor a column of
+// the dataset's manifest.
+void check_groupings(const trace::Dataset& dataset, const std::vector<std::string>& by);
+
+// Aggregates the samples (results[i] belongs to dataset.samples[i]). Points are matched across samples
+// by (policy, budget, mode, kind), in the order of their first appearance. Bytes and token counts of
+// the mean points are sums over the samples, quality metrics means; the Pareto front is marked on the
+// mean points (policies only) and their collapse flags come from the mean layers. Throws
+// std::runtime_error when no sample succeeded. Deterministic: the same inputs give the same tables, on
+// any number of threads.
+DatasetResults aggregate_dataset(const trace::Dataset& dataset, const std::vector<SampleResult>& results,
+                                 const std::vector<std::string>& by, const BootstrapOptions& options,
+                                 const CollapseThresholds& thresholds);
+
+// The compact stdout summary: per grouping and group, per budget, the `top` policies with the lowest
+// mean output error, each with its interval, and the bound's row at that budget.
+std::string format_dataset_summary(const DatasetResults& results, int top);
+
+}  // namespace kvscope::sim

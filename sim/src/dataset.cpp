@@ -1,0 +1,639 @@
+// Dataset sweeps: mean points, per-sample rows and bootstrap aggregates (docs/results-format.md
+// "Dataset sweeps").
+#include "kvscope/sim/dataset.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <map>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+
+#include "kvscope/sim/pareto.hpp"
+
+namespace kvscope::sim {
+
+namespace {
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+std::uint64_t splitmix64(std::uint64_t& state) {
+  std::uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+std::uint64_t fnv1a(const std::string& s) {
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char c : s) h = (h ^ c) * 0x100000001b3ull;
+  return h;
+}
+
+double ratio(std::int64_t kept, std::int64_t full) {
+  return full ? static_cast<double>(kept) / static_cast<double>(full) : 1.0;
+}
+
+// The metrics of one row (aggregate_metric_names order); m < 0 is the "all" row.
+void row_metrics(const HeadResult& r, int m, bool query_sets, std::vector<double>& out) {
+  const Quality& q = r.quality;
+  if (m >= 0) {
+    const auto i = static_cast<std::size_t>(m);
+    out.push_back(ratio(r.bytes_kept_modality[i], r.bytes_full_modality[i]));
+    out.push_back(q.output_error);
+    out.push_back(q.recall_modality[i]);
+    out.push_back(q.kl);
+    out.push_back(q.entropy_delta);
+    out.push_back(q.share_before[i]);
+    out.push_back(q.share_after[i]);
+  } else {
+    double before = 0, after = 0;
+    for (int k = 0; k < kModalities; ++k) {
+      before += q.share_before[static_cast<std::size_t>(k)];
+      after += q.share_after[static_cast<std::size_t>(k)];
+    }
+    out.push_back(ratio(r.bytes_kept.total(), r.bytes_full.total()));
+    out.push_back(q.output_error);
+    out.push_back(q.attention_recall);
+    out.push_back(q.kl);
+    out.push_back(q.entropy_delta);
+    out.push_back(before);
+    out.push_back(after);
+  }
+  if (!query_sets) return;
+  for (const QuerySetQuality& s : q.query_sets) {
+    out.push_back(s.output_error);
+    out.push_back(s.attention_recall);
+    out.push_back(s.kl);
+    out.push_back(s.entropy_delta);
+  }
+}
+
+// The (1 - c)/2 and (1 + c)/2 quantiles of v with linear interpolation between order statistics (numpy's
+// default), by selection (v is reordered): each is the k-th smallest value and, for the interpolation,
+// the smallest value above it; the upper one is selected in the part above the lower one's.
+void quantiles(std::vector<double>& v, double alpha, double& lo, double& hi) {
+  const std::size_t n = v.size();
+  auto at = [&](std::size_t from, double p) {
+    const double h = p * static_cast<double>(n - 1);
+    const auto k = static_cast<std::size_t>(std::floor(h));
+    const auto first = v.begin() + static_cast<std::ptrdiff_t>(from);
+    std::nth_element(first, v.begin() + static_cast<std::ptrdiff_t>(k), v.end());
+    const double a = v[k];
+    if (k + 1 >= n || h == static_cast<double>(k)) return std::make_pair(a, k);
+    const double b = *std::min_element(v.begin() + static_cast<std::ptrdiff_t>(k) + 1, v.end());
+    return std::make_pair(a + (h - static_cast<double>(k)) * (b - a), k);
+  };
+  const auto [l, k] = at(0, alpha);
+  lo = l;
+  // After the first selection everything past k is >= v[k]: the upper quantile, when past k, is there.
+  const auto k_hi = static_cast<std::size_t>(std::floor((1.0 - alpha) * static_cast<double>(n - 1)));
+  hi = at(k_hi > k ? k + 1 : 0, 1.0 - alpha).first;
+}
+
+// Mean and bootstrap interval of every column of the n x C row-major matrix x (NaN ignored).
+std::vector<Interval> bootstrap_columns(const std::vector<double>& x, std::size_t n, std::size_t C,
+                                        const BootstrapOptions& o, std::uint64_t seed) {
+  std::vector<Interval> out(C);
+  bool all_finite = true;
+  for (std::size_t c = 0; c < C; ++c) {
+    double s = 0;
+    std::size_t k = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      const double v = x[i * C + c];
+      if (std::isfinite(v)) {
+        s += v;
+        ++k;
+      } else {
+        all_finite = false;
+      }
+    }
+    out[c].mean = out[c].lo = out[c].hi = k ? s / static_cast<double>(k) : kNaN;
+  }
+  const auto B = static_cast<std::size_t>(std::max(0, o.resamples));
+  if (B == 0 || n < 2) return out;
+  std::vector<std::uint32_t> counts(n);
+  std::vector<double> means(B * C), sum(C), weight(C);
+  std::uint64_t state = seed;
+  for (std::size_t b = 0; b < B; ++b) {
+    std::fill(counts.begin(), counts.end(), 0u);
+    for (std::size_t k = 0; k < n; ++k) {
+      const std::uint64_t r = splitmix64(state);
+      ++counts[static_cast<std::size_t>(((r >> 32) * static_cast<std::uint64_t>(n)) >> 32)];
+    }
+    std::fill(sum.begin(), sum.end(), 0.0);
+    std::fill(weight.begin(), weight.end(), 0.0);
+    for (std::size_t i = 0; i < n; ++i) {
+      if (!counts[i]) continue;
+      const double w = counts[i];
+      const double* row = &x[i * C];
+      if (all_finite) {
+        for (std::size_t c = 0; c < C; ++c) sum[c] += w * row[c];
+      } else {
+        for (std::size_t c = 0; c < C; ++c) {
+          if (std::isfinite(row[c])) {
+            sum[c] += w * row[c];
+            weight[c] += w;
+          }
+        }
+      }
+    }
+    for (std::size_t c = 0; c < C; ++c) {
+      const double wc = all_finite ? static_cast<double>(n) : weight[c];
+      means[b * C + c] = wc > 0 ? sum[c] / wc : kNaN;
+    }
+  }
+  const double alpha = (1.0 - o.confidence) / 2.0;
+  std::vector<double> v;
+  v.reserve(B);
+  for (std::size_t c = 0; c < C; ++c) {
+    v.clear();
+    double vmin = std::numeric_limits<double>::infinity(), vmax = -vmin;
+    for (std::size_t b = 0; b < B; ++b) {
+      const double m = means[b * C + c];
+      if (!std::isfinite(m)) continue;
+      v.push_back(m);
+      vmin = std::min(vmin, m);
+      vmax = std::max(vmax, m);
+    }
+    if (v.empty()) continue;
+    if (vmin == vmax) {  // every resample gave the same mean (e.g. a metric constant over the samples)
+      out[c].lo = out[c].hi = vmin;
+      continue;
+    }
+    quantiles(v, alpha, out[c].lo, out[c].hi);
+  }
+  return out;
+}
+
+std::string point_key(const PointResult& p) {
+  return p.policy + '\x1f' + p.budget + '\x1f' + p.mode + '\x1f' + p.kind;
+}
+
+std::string fixed(double v, int digits) {
+  if (!std::isfinite(v)) return "nan";
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
+  return buf;
+}
+
+}  // namespace
+
+ResultsMeta sweep_results_meta(const TraceSummary& summary, const SweepOutput& out,
+                               std::string command_line) {
+  ResultsMeta meta = results_meta(summary, std::move(command_line));
+  meta.has_roles = out.has_roles;
+  meta.steps_in_context = out.steps_in_context;
+  meta.num_tokens = out.context_tokens;
+  meta.num_decode_steps = out.decode_steps;
+  meta.tokens_per_modality[static_cast<std::size_t>(kernels::Modality::kText)] += out.steps_in_context;
+  for (int k = 0; k < kQuerySets; ++k)
+    meta.query_set_steps[static_cast<std::size_t>(k)] = out.query_set_steps[static_cast<std::size_t>(k)];
+  return meta;
+}
+
+std::vector<std::string> aggregate_metric_names(bool query_sets) {
+  std::vector<std::string> names = {"bytes_ratio",   "output_error", "attention_recall", "kl",
+                                    "entropy_delta", "share_before", "share_after"};
+  if (query_sets) {
+    for (int k = 0; k < kQuerySets; ++k) {
+      const std::string set = query_set_name(k);
+      for (const char* m : {"output_error_", "attention_recall_", "kl_", "entropy_delta_"})
+        names.push_back(m + set);
+    }
+  }
+  return names;
+}
+
+std::string length_bucket(std::int64_t tokens) {
+  if (tokens <= 0) return "0-0";
+  std::int64_t lo = 1;
+  while (lo <= tokens / 2) lo *= 2;
+  return std::to_string(lo) + "-" + std::to_string(2 * lo - 1);
+}
+
+Interval bootstrap_interval(const std::vector<double>& values, const BootstrapOptions& options,
+                            std::uint64_t seed) {
+  return bootstrap_columns(values, values.size(), 1, options, seed).front();
+}
+
+void check_groupings(const trace::Dataset& dataset, const std::vector<std::string>& by) {
+  for (const std::string& g : by) {
+    if (g == "length" || g == "all") continue;
+    if (std::find(dataset.columns.begin(), dataset.columns.end(), g) == dataset.columns.end()) {
+      std::string cols;
+      for (const std::string& c : dataset.columns) cols += (cols.empty() ? "" : ", ") + c;
+      throw std::runtime_error("--by " + g + ": " +
+                               (dataset.has_manifest
+                                    ? "no such column in the manifest (columns: " + cols + ")"
+                                    : std::string("a list of traces has no manifest; only "
+                                                  "--by length works")));
+    }
+  }
+}
+
+DatasetResults aggregate_dataset(const trace::Dataset& dataset, const std::vector<SampleResult>& results,
+                                 const std::vector<std::string>& by, const BootstrapOptions& options,
+                                 const CollapseThresholds& thresholds) {
+  DatasetResults dr;
+  const std::size_t N = results.size();
+  std::vector<std::size_t> ok;
+  for (std::size_t i = 0; i < N; ++i)
+    if (results[i].ok) ok.push_back(i);
+  if (ok.empty()) throw std::runtime_error("no sample of the dataset could be replayed");
+
+  // Mean points, matched by key in order of first appearance.
+  std::map<std::string, std::size_t> index;
+  std::vector<std::vector<std::pair<std::size_t, const PointResult*>>>
+      members;  // per point: (sample, its point)
+  for (std::size_t i : ok) {
+    for (const PointResult& p : results[i].points) {
+      const auto [it, fresh] = index.emplace(point_key(p), dr.points.size());
+      if (fresh) {
+        PointResult m;
+        m.policy = p.policy;
+        m.budget = p.budget;
+        m.mode = p.mode;
+        m.kind = p.kind;
+        dr.points.push_back(std::move(m));
+        members.emplace_back();
+      }
+      members[it->second].emplace_back(i, &p);
+    }
+  }
+  bool has_vision = false;
+  ResultsMeta& meta = dr.meta;
+  meta = results[ok.front()].meta;
+  meta.num_tokens = meta.num_decode_steps = 0;
+  meta.tokens_per_modality = {};
+  meta.steps_in_context = 0;
+  meta.query_set_steps = {};
+  for (std::size_t i : ok) {
+    const ResultsMeta& m = results[i].meta;
+    dr.has_roles = dr.has_roles || m.has_roles;
+    meta.num_tokens += m.num_tokens;
+    meta.num_decode_steps += m.num_decode_steps;
+    meta.steps_in_context += m.steps_in_context;
+    for (int k = 0; k < kModalities; ++k)
+      meta.tokens_per_modality[static_cast<std::size_t>(k)] +=
+          m.tokens_per_modality[static_cast<std::size_t>(k)];
+    for (int k = 0; k < kQuerySets; ++k)
+      meta.query_set_steps[static_cast<std::size_t>(k)] += m.query_set_steps[static_cast<std::size_t>(k)];
+    meta.num_layers = std::max(meta.num_layers, m.num_layers);
+    meta.num_kv_heads = std::max(meta.num_kv_heads, m.num_kv_heads);
+  }
+  meta.has_roles = dr.has_roles;
+  has_vision = meta.tokens_per_modality[static_cast<std::size_t>(kernels::Modality::kVision)] > 0;
+  for (std::size_t p = 0; p < dr.points.size(); ++p) {
+    PointResult& m = dr.points[p];
+    const double w = 1.0 / static_cast<double>(members[p].size());
+    std::size_t layers = 0;
+    for (const auto& [i, src] : members[p]) layers = std::max(layers, src->layers.size());
+    m.layers.resize(layers);
+    std::vector<std::size_t> layer_n(layers, 0);
+    for (const auto& [i, src] : members[p])
+      for (std::size_t l = 0; l < src->layers.size(); ++l) ++layer_n[l];
+    for (const auto& [i, src] : members[p]) {
+      m.budget_value += w * src->budget_value;
+      m.seconds += src->seconds;
+      accumulate(m.total, src->total, w);
+      for (std::size_t l = 0; l < src->layers.size(); ++l) {
+        const LayerResult& sl = src->layers[l];
+        LayerResult& dl = m.layers[l];
+        const double wl = 1.0 / static_cast<double>(layer_n[l]);
+        if (dl.heads.empty()) {
+          dl.layer = sl.layer;
+          dl.merged_heads = sl.merged_heads;
+        }
+        accumulate(dl.total, sl.total, wl);
+        if (dl.heads.size() < sl.heads.size()) dl.heads.resize(sl.heads.size());
+        for (std::size_t h = 0; h < sl.heads.size(); ++h) {
+          dl.heads[h].kv_head = sl.heads[h].kv_head;
+          accumulate(dl.heads[h], sl.heads[h], wl);
+        }
+      }
+    }
+    m.flags = detect_collapse(m, thresholds, has_vision);
+  }
+  mark_pareto(dr.points, [](const PointResult& pt) { return pt.kind == "policy"; });
+
+  meta.dataset = true;
+  meta.dataset_source = dataset.source;
+  meta.trace_path = dataset.source;
+  meta.num_samples = static_cast<std::int64_t>(N);
+  meta.failed_samples = static_cast<std::int64_t>(N - ok.size());
+  meta.bootstrap_resamples = options.resamples;
+  meta.bootstrap_seed = options.seed;
+  meta.confidence = options.confidence;
+  for (const std::string& g : by) meta.group_by += (meta.group_by.empty() ? "" : ",") + g;
+  const std::vector<int> modalities = reported_modalities(dr.points, meta);
+  const std::vector<std::string> metrics = aggregate_metric_names(dr.has_roles);
+  const std::size_t K = metrics.size();
+  using T = ResultsColumn::Type;
+
+  // /samples
+  std::vector<std::string> bucket(N);
+  {
+    ResultsTable t;
+    t.name = "samples";
+    t.description = "one row per sample of the dataset, in manifest order";
+    t.columns.reserve(dataset.columns.size() + 8);  // add() returns references into columns
+    auto& c_sample = t.add("sample", T::kStr, "sample id");
+    auto& c_trace = t.add("trace", T::kStr, "trace file, as listed");
+    auto& c_status = t.add("status", T::kStr, "ok, or failed (--skip-bad: not in the aggregates)");
+    auto& c_error = t.add("error", T::kStr, "why the sample failed (empty when ok)");
+    auto& c_ctx = t.add("context_tokens", T::kI64, "context tokens of the replay (-1 when failed)");
+    auto& c_dec = t.add("decode_steps", T::kI64, "evaluation queries of the replay (-1 when failed)");
+    auto& c_len = t.add("length_bucket", T::kStr, "power-of-two bucket of context_tokens (--by length)");
+    std::vector<std::size_t> extra;
+    for (std::size_t k = 0; k < dataset.columns.size(); ++k) {
+      const std::string& c = dataset.columns[k];
+      if (c == "sample" || c == "trace" || c == "context_tokens" || c == "decode_steps" || t.find(c))
+        continue;
+      extra.push_back(k);
+    }
+    for (std::size_t k : extra) t.add(dataset.columns[k], T::kStr, "manifest column (docs/datasets.md)");
+    for (std::size_t i = 0; i < N; ++i) {
+      const trace::DatasetSample& s = dataset.samples[i];
+      const SampleResult& r = results[i];
+      c_sample.str.push_back(s.sample);
+      c_trace.str.push_back(s.trace);
+      c_status.str.push_back(r.ok ? "ok" : "failed");
+      c_error.str.push_back(r.error);
+      c_ctx.i64.push_back(r.ok ? r.meta.num_tokens : -1);
+      c_dec.i64.push_back(r.ok ? r.meta.num_decode_steps : -1);
+      bucket[i] = r.ok ? length_bucket(r.meta.num_tokens) : "";
+      c_len.str.push_back(bucket[i]);
+    }
+    for (std::size_t e = 0; e < extra.size(); ++e) {
+      ResultsColumn& c = t.columns[7 + e];
+      for (std::size_t i = 0; i < N; ++i)
+        c.str.push_back(extra[e] < dataset.samples[i].values.size() ? dataset.samples[i].values[extra[e]]
+                                                                    : "");
+    }
+    dr.tables.push_back(std::move(t));
+  }
+
+  // Per sample and point: the rows' metric matrix [rows x K], rows = (layers + all) x (modalities + all).
+  auto rows_of = [&](const PointResult& mean) { return (mean.layers.size() + 1) * (modalities.size() + 1); };
+  auto sample_rows = [&](const PointResult& mean, const PointResult* src, std::vector<double>& x) {
+    std::vector<double> v;
+    for (std::size_t l = 0; l <= mean.layers.size(); ++l) {
+      const HeadResult* r = l < mean.layers.size()
+                                ? (src && l < src->layers.size() ? &src->layers[l].total : nullptr)
+                                : (src ? &src->total : nullptr);
+      for (std::size_t mi = 0; mi <= modalities.size(); ++mi) {
+        v.clear();
+        if (r)
+          row_metrics(*r, mi < modalities.size() ? modalities[mi] : -1, dr.has_roles, v);
+        else
+          v.assign(K, kNaN);
+        x.insert(x.end(), v.begin(), v.end());
+      }
+    }
+  };
+  auto layer_number = [](const PointResult& mean, std::size_t l) -> std::int64_t {
+    return l < mean.layers.size() ? mean.layers[l].layer : -1;
+  };
+  auto modality_name = [&](std::size_t mi) -> std::string {
+    return mi < modalities.size() ? kernels::modality_name(modalities[mi]) : "all";
+  };
+  auto flag_names = [](const PointResult& p, std::int64_t layer) {
+    std::string out;
+    for (const CollapseFlag& f : p.flags) {
+      if (layer >= 0 &&
+          std::find(f.layers.begin(), f.layers.end(), static_cast<int>(layer)) == f.layers.end())
+        continue;
+      out += (out.empty() ? "" : ";") + f.mode;
+    }
+    return out;
+  };
+
+  // /sample_points
+  {
+    ResultsTable t;
+    t.name = "sample_points";
+    t.description = "one row per successful sample x point x layer (then all) x modality (then all)";
+    t.columns.reserve(K + 8);
+    auto& c_sample = t.add("sample", T::kI64, "row of /samples");
+    auto& c_point = t.add("point", T::kI64, "row of /points");
+    auto& c_layer = t.add("layer", T::kI64, "model layer index, -1 for the whole point");
+    auto& c_mod = t.add("modality", T::kStr, "text, vision, audio, special or all");
+    auto& c_full = t.add("bytes_full", T::kI64, "uncompressed bytes of the row (as the CSV's)");
+    auto& c_kept = t.add("bytes_kept", T::kI64, "bytes after the policy (as the CSV's)");
+    std::vector<ResultsColumn*> cm;
+    for (const std::string& m : metrics)
+      cm.push_back(&t.add(m, T::kF64, "the sample's " + m + " (as the CSV's)"));
+    auto& c_flags = t.add("flags", T::kStr, "the sample's collapse flags of the row (';'-separated)");
+    std::vector<double> x;
+    for (std::size_t p = 0; p < dr.points.size(); ++p) {
+      const PointResult& mean = dr.points[p];
+      for (const auto& [i, src] : members[p]) {
+        x.clear();
+        sample_rows(mean, src, x);
+        std::size_t row = 0;
+        for (std::size_t l = 0; l <= mean.layers.size(); ++l) {
+          const bool all = l == mean.layers.size();
+          const HeadResult* r =
+              all ? &src->total : (l < src->layers.size() ? &src->layers[l].total : nullptr);
+          for (std::size_t mi = 0; mi <= modalities.size(); ++mi, ++row) {
+            c_sample.i64.push_back(static_cast<std::int64_t>(i));
+            c_point.i64.push_back(static_cast<std::int64_t>(p));
+            c_layer.i64.push_back(layer_number(mean, l));
+            c_mod.str.push_back(modality_name(mi));
+            const bool mrow = mi < modalities.size();
+            const auto mm = mrow ? static_cast<std::size_t>(modalities[mi]) : 0;
+            c_full.i64.push_back(!r ? -1 : mrow ? r->bytes_full_modality[mm] : r->bytes_full.total());
+            c_kept.i64.push_back(!r ? -1 : mrow ? r->bytes_kept_modality[mm] : r->bytes_kept.total());
+            for (std::size_t k = 0; k < K; ++k) cm[k]->f64.push_back(x[row * K + k]);
+            c_flags.str.push_back(flag_names(*src, all ? -1 : layer_number(mean, l)));
+          }
+        }
+      }
+    }
+    dr.tables.push_back(std::move(t));
+  }
+
+  // /aggregate: per grouping, group, point, row: n, mean, interval.
+  {
+    struct Task {
+      std::string by, group;
+      std::size_t point;
+      std::vector<std::size_t> samples;  // members[point] indices in the group
+      std::vector<Interval> iv;          // [rows x K]
+    };
+    std::vector<std::string> groupings = {"all"};
+    for (const std::string& g : by)
+      if (g != "all" && std::find(groupings.begin(), groupings.end(), g) == groupings.end())
+        groupings.push_back(g);
+    std::vector<Task> tasks;
+    for (const std::string& g : groupings) {
+      std::vector<std::string> value(N);
+      std::set<std::string> groups;
+      for (std::size_t i : ok) {
+        value[i] = g == "all" ? "all" : g == "length" ? bucket[i] : dataset.value(i, g);
+        groups.insert(value[i]);
+      }
+      // Length buckets in increasing order; other values in sorted (string) order.
+      std::vector<std::string> order(groups.begin(), groups.end());
+      if (g == "length") {
+        std::sort(order.begin(), order.end(), [](const std::string& a, const std::string& b) {
+          return std::stoll(a.substr(0, a.find('-'))) < std::stoll(b.substr(0, b.find('-')));
+        });
+      }
+      for (const std::string& gv : order) {
+        for (std::size_t p = 0; p < dr.points.size(); ++p) {
+          Task task{g, gv, p, {}, {}};
+          for (std::size_t k = 0; k < members[p].size(); ++k)
+            if (value[members[p][k].first] == gv) task.samples.push_back(k);
+          if (!task.samples.empty()) tasks.push_back(std::move(task));
+        }
+      }
+    }
+#pragma omp parallel for schedule(dynamic)
+    for (std::size_t ti = 0; ti < tasks.size(); ++ti) {
+      Task& task = tasks[ti];
+      const PointResult& mean = dr.points[task.point];
+      std::vector<double> x;
+      for (std::size_t k : task.samples) sample_rows(mean, members[task.point][k].second, x);
+      const std::size_t C = rows_of(mean) * K;
+      std::uint64_t seed = options.seed ^ fnv1a(task.by + '\x1f' + task.group);
+      task.iv = bootstrap_columns(x, task.samples.size(), C, options, splitmix64(seed));
+    }
+    ResultsTable t;
+    t.name = "aggregate";
+    t.columns.reserve(3 * K + 10);
+    t.description =
+        "mean and percentile bootstrap interval over samples, per grouping x group x point x layer "
+        "(then all) x modality (then all)";
+    auto& c_by = t.add("by", T::kStr, "grouping: all, length, or a manifest column (--by)");
+    auto& c_group = t.add("group", T::kStr, "the group's value (all for the grouping all)");
+    auto& c_point = t.add("point", T::kI64, "row of /points");
+    auto& c_policy = t.add("policy", T::kStr, "the point's policy");
+    auto& c_budget = t.add("budget", T::kStr, "the point's budget");
+    auto& c_kind = t.add("kind", T::kStr, "policy, bound or search");
+    auto& c_layer = t.add("layer", T::kI64, "model layer index, -1 for the whole point");
+    auto& c_mod = t.add("modality", T::kStr, "text, vision, audio, special or all");
+    auto& c_n = t.add("n", T::kI64, "samples of the group with this point");
+    std::vector<ResultsColumn*> cmean, clo, chi;
+    for (const std::string& m : metrics) {
+      cmean.push_back(&t.add(m + "_mean", T::kF64, "mean of " + m + " over the group's samples"));
+      clo.push_back(&t.add(m + "_lo", T::kF64, "lower end of the bootstrap interval of the mean"));
+      chi.push_back(&t.add(m + "_hi", T::kF64, "upper end of the bootstrap interval of the mean"));
+    }
+    for (const Task& task : tasks) {
+      const PointResult& mean = dr.points[task.point];
+      std::size_t row = 0;
+      for (std::size_t l = 0; l <= mean.layers.size(); ++l) {
+        for (std::size_t mi = 0; mi <= modalities.size(); ++mi, ++row) {
+          c_by.str.push_back(task.by);
+          c_group.str.push_back(task.group);
+          c_point.i64.push_back(static_cast<std::int64_t>(task.point));
+          c_policy.str.push_back(mean.policy);
+          c_budget.str.push_back(mean.budget);
+          c_kind.str.push_back(mean.kind);
+          c_layer.i64.push_back(layer_number(mean, l));
+          c_mod.str.push_back(modality_name(mi));
+          c_n.i64.push_back(static_cast<std::int64_t>(task.samples.size()));
+          for (std::size_t k = 0; k < K; ++k) {
+            const Interval& iv = task.iv[row * K + k];
+            cmean[k]->f64.push_back(iv.mean);
+            clo[k]->f64.push_back(iv.lo);
+            chi[k]->f64.push_back(iv.hi);
+          }
+        }
+      }
+    }
+    dr.tables.push_back(std::move(t));
+  }
+  return dr;
+}
+
+std::string format_dataset_summary(const DatasetResults& dr, int top) {
+  std::ostringstream o;
+  const ResultsTable* agg = nullptr;
+  for (const ResultsTable& t : dr.tables)
+    if (t.name == "aggregate") agg = &t;
+  if (!agg) return "";
+  auto col = [&](const std::string& name) -> const ResultsColumn& {
+    for (const ResultsColumn& c : agg->columns)
+      if (c.name == name) return c;
+    throw std::logic_error("no aggregate column " + name);
+  };
+  const auto &by = col("by").str, &group = col("group").str, &mod = col("modality").str;
+  const auto &layer = col("layer").i64, &point = col("point").i64, &n = col("n").i64;
+  const auto &err = col("output_error_mean").f64, &err_lo = col("output_error_lo").f64,
+             &err_hi = col("output_error_hi").f64;
+  const auto &rec = col("attention_recall_mean").f64, &rec_lo = col("attention_recall_lo").f64,
+             &rec_hi = col("attention_recall_hi").f64;
+  const auto& bytes = col("bytes_ratio_mean").f64;
+  const ResultsMeta& m = dr.meta;
+  const int pct = static_cast<int>(std::lround(m.confidence * 100));
+  o << "dataset " << m.dataset_source << ": " << (m.num_samples - m.failed_samples) << " of " << m.num_samples
+    << " samples replayed" << (m.failed_samples ? " (" + std::to_string(m.failed_samples) + " failed)" : "")
+    << "; mean over samples with " << pct << " % bootstrap intervals (" << m.bootstrap_resamples
+    << " resamples, seed " << m.bootstrap_seed << ")\n";
+  // Rows of layer all x modality all, per (by, group) in table order.
+  std::vector<std::pair<std::string, std::string>> groups;
+  std::map<std::pair<std::string, std::string>, std::vector<std::size_t>> rows;
+  for (std::size_t r = 0; r < agg->rows(); ++r) {
+    if (layer[r] != -1 || mod[r] != "all") continue;
+    const auto key = std::make_pair(by[r], group[r]);
+    if (!rows.count(key)) groups.push_back(key);
+    rows[key].push_back(r);
+  }
+  auto interval = [](double v, double lo, double hi) {
+    return fixed(v, 4) + " [" + fixed(lo, 4) + ", " + fixed(hi, 4) + "]";
+  };
+  for (const auto& key : groups) {
+    const auto& rs = rows[key];
+    o << "\n"
+      << (key.first == "all" ? std::string("all samples") : key.first + " = " + key.second)
+      << " (n = " << n[rs.front()] << ")\n";
+    char line[256];
+    std::snprintf(line, sizeof line, "  %-8s %-22s %7s  %-26s  %-26s %5s\n", "budget", "policy", "bytes",
+                  "output error", "attention recall", "n");
+    o << line;
+    std::vector<std::string> budgets;
+    for (std::size_t r : rs) {
+      const PointResult& p = dr.points[static_cast<std::size_t>(point[r])];
+      if (p.kind == "policy" && std::find(budgets.begin(), budgets.end(), p.budget) == budgets.end())
+        budgets.push_back(p.budget);
+    }
+    for (const std::string& b : budgets) {
+      std::vector<std::size_t> pol, bound;
+      for (std::size_t r : rs) {
+        const PointResult& p = dr.points[static_cast<std::size_t>(point[r])];
+        if (p.budget != b) continue;
+        if (p.kind == "policy")
+          pol.push_back(r);
+        else if (p.kind == "bound")
+          bound.push_back(r);
+      }
+      std::stable_sort(pol.begin(), pol.end(), [&](std::size_t a, std::size_t c) {
+        const double x = std::isnan(err[a]) ? std::numeric_limits<double>::infinity() : err[a];
+        const double y = std::isnan(err[c]) ? std::numeric_limits<double>::infinity() : err[c];
+        return x < y;
+      });
+      if (pol.size() > static_cast<std::size_t>(std::max(1, top)))
+        pol.resize(static_cast<std::size_t>(std::max(1, top)));
+      pol.insert(pol.end(), bound.begin(), bound.end());
+      bool first = true;
+      for (std::size_t r : pol) {
+        const PointResult& p = dr.points[static_cast<std::size_t>(point[r])];
+        const std::string name = p.kind == "bound" ? p.policy + " (bound)" : p.policy;
+        std::snprintf(line, sizeof line, "  %-8s %-22s %7s  %-26s  %-26s %5lld\n", first ? b.c_str() : "",
+                      name.c_str(), fixed(bytes[r], 3).c_str(),
+                      interval(err[r], err_lo[r], err_hi[r]).c_str(),
+                      interval(rec[r], rec_lo[r], rec_hi[r]).c_str(), static_cast<long long>(n[r]));
+        o << line;
+        first = false;
+      }
+    }
+  }
+  return o.str();
+}
+
+}  // namespace kvscope::sim
