@@ -181,19 +181,6 @@ std::string fixed(double v, int digits) {
 
 }  // namespace
 
-ResultsMeta sweep_results_meta(const TraceSummary& summary, const SweepOutput& out,
-                               std::string command_line) {
-  ResultsMeta meta = results_meta(summary, std::move(command_line));
-  meta.has_roles = out.has_roles;
-  meta.steps_in_context = out.steps_in_context;
-  meta.num_tokens = out.context_tokens;
-  meta.num_decode_steps = out.decode_steps;
-  meta.tokens_per_modality[static_cast<std::size_t>(kernels::Modality::kText)] += out.steps_in_context;
-  for (int k = 0; k < kQuerySets; ++k)
-    meta.query_set_steps[static_cast<std::size_t>(k)] = out.query_set_steps[static_cast<std::size_t>(k)];
-  return meta;
-}
-
 std::vector<std::string> aggregate_metric_names(bool query_sets) {
   std::vector<std::string> names = {"bytes_ratio",   "output_error", "attention_recall", "kl",
                                     "entropy_delta", "share_before", "share_after"};

@@ -24,10 +24,6 @@ struct SampleResult {
   std::vector<PointResult> points;
 };
 
-// The results meta of one trace's sweep: the trace's summary with the replay's shape (context tokens and
-// decode steps after --question-in-context, roles, query sets) and the command line.
-ResultsMeta sweep_results_meta(const TraceSummary& summary, const SweepOutput& out, std::string command_line);
-
 struct BootstrapOptions {
   int resamples = 1000;    // resamples of the samples, drawn with replacement
   std::uint64_t seed = 0;  // each group's resamples come from (seed, grouping, group) only
