@@ -74,7 +74,8 @@ int main(int argc, char** argv) {
                                                             closedloop::token_counter(*tokenizer));
     sim::PolicyRegistry registry;
     for (const auto& ts : task_samples) {
-      const closedloop::Reference ref = closedloop::make_task_reference(model, *tokenizer, chat, ts);
+      const closedloop::Reference ref = closedloop::make_task_reference(
+          model, *tokenizer, chat, ts, closedloop::QuestionSetting::kInContext);  // as kvscope.hf compresses
       const closedloop::Prefill prefill = closedloop::run_prefill(model, ref.prompt);
       for (int a = 7; a < argc; ++a) {
         const std::string point = argv[a];

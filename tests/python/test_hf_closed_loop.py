@@ -77,7 +77,7 @@ class HfClosedLoop(unittest.TestCase):
             eos = cls.model.config.eos_token_id
             eos = list(eos) if isinstance(eos, (list, tuple)) else [eos]
             for s in cls.samples[task]:
-                ids, _, _ = hf.task_prompt(cls.tok, s)  # the whole prompt is the prefill, as kvcap eval runs it
+                ids, _, _ = hf.task_prompt(cls.tok, s)  # the whole prompt is the prefill (kvcap eval --question-in-context)
                 tokens = hf.text_tokens(cls.model.config, ids, special_ids=hf.special_ids(cls.tok))
                 pf = hf.prefill(cls.model, ids)  # one prefill per sample, every point continues from it
                 for policy, budget in POINTS:
@@ -126,7 +126,7 @@ class HfClosedLoop(unittest.TestCase):
         answers = Path(self.tmp.name) / "answers.csv"
         run([KVCAP, "eval", "--model", str(MODEL), "--task", task, "--length", str(LENGTH), "--seed", str(SEED),
              "--samples", str(SAMPLES), "--max-new", str(MAX_NEW), "--policies", ",".join(sorted({p for p, _ in POINTS})),
-             "--budgets", ",".join(sorted({b for _, b in POINTS})), "--threads", "1", "-q", "--answers", str(answers)])
+             "--budgets", ",".join(sorted({b for _, b in POINTS})), "--threads", "1", "-q", "--question-in-context", "--answers", str(answers)])
         with answers.open() as f:
             rows = [r for r in csv.DictReader(f) if r["policy"] != "full"]
         self.assertEqual(len(rows), SAMPLES * len(POINTS))
