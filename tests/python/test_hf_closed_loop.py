@@ -18,6 +18,8 @@ import tempfile
 import unittest
 from pathlib import Path
 
+from real_model import require_model
+
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = sys.argv.pop(1) if len(sys.argv) > 1 else str(ROOT / "build" / "tests" / "python" / "closed_loop_kept_tool")
 KVCAP = os.environ.get("KVSCOPE_KVCAP", str(ROOT / "build" / "bin" / "kvcap"))
@@ -29,16 +31,7 @@ SAMPLES = int(os.environ.get("KVSCOPE_HF_LOOP_SAMPLES", "1"))
 POINTS = [(p, b) for p in ("h2o", "snapkv", "streamingllm") for b in ("0.2", "0.5")]
 
 
-def model_dir() -> Path:
-    cache = os.environ.get("KVSCOPE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "kvscope")
-    return Path(cache) / "models" / "smollm2-135m-instruct"
-
-
-MODEL = model_dir()
-if not (MODEL / "kvscope-import.json").exists():
-    print(f"SKIPPED: {MODEL} not found (scripts/setup imports SmolLM2-135M-Instruct there; it needs PyPI)")
-    sys.exit(77)
+MODEL = require_model()
 try:
     import torch
     import transformers

@@ -24,22 +24,15 @@ import tempfile
 import unittest
 from pathlib import Path
 
+from real_model import require_model
+
 ROOT = Path(__file__).resolve().parents[2]
 KVCAP = os.environ.get("KVSCOPE_KVCAP", str(ROOT / "build" / "bin" / "kvcap"))
 RATIO = 0.7  # kvpress compression_ratio (fraction removed)
 CONTEXT_BYTES = 1400
 
 
-def model_dir() -> Path:
-    cache = os.environ.get("KVSCOPE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "kvscope")
-    return Path(cache) / "models" / "smollm2-135m-instruct"
-
-
-MODEL = model_dir()
-if not (MODEL / "kvscope-import.json").exists():
-    print(f"SKIPPED: {MODEL} not found (scripts/setup imports SmolLM2-135M-Instruct there; it needs PyPI)")
-    sys.exit(77)
+MODEL = require_model()
 try:
     import numpy as np
     import torch
