@@ -16,11 +16,10 @@ import gguf
 from gguf import GGMLQuantizationType as Q
 
 from kvscope import gguf_import
+from real_model import model_dir
 
 KVCAP = os.environ.get("KVSCOPE_KVCAP")
-CACHE = os.environ.get("KVSCOPE_CACHE") or os.path.join(
-    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvscope")
-SMOLLM = os.path.join(CACHE, "models", "smollm2-135m-instruct")
+SMOLLM = str(model_dir())
 
 # A tiny LLaMA: d 64, 4 query heads, 2 KV heads x 16, FFN 96, 2 layers, byte-level vocab + 3 merges.
 D, HQ, HKV, DH, FFN, LAYERS = 64, 4, 2, 16, 96, 2

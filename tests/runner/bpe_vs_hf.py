@@ -17,11 +17,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
+from real_model import model_dir  # noqa: E402  (tests/python/real_model.py: where scripts/setup imports it)
 
-def model_dir():
-    cache = os.environ.get("KVSCOPE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "kvscope")
-    return Path(cache) / "models" / "smollm2-135m-instruct"
+
 
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<reponame>", "<file_sep>",

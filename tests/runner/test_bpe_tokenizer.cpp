@@ -401,18 +401,9 @@ TEST(BpeTokenizer, LoadTokenizerPicksTheFolderFormat) {
 }
 
 // The real model's tokenizer (scripts/setup imports it); the ids are HF tokenizers 0.22.2's.
-fs::path smollm2_dir() {
-  const char* cache = std::getenv("KVSCOPE_CACHE");
-  const char* xdg = std::getenv("XDG_CACHE_HOME");
-  const char* home = std::getenv("HOME");
-  const fs::path base = cache && *cache ? fs::path(cache)
-                        : xdg && *xdg   ? fs::path(xdg) / "kvscope"
-                                        : fs::path(home ? home : "/") / ".cache" / "kvscope";
-  return base / "models" / "smollm2-135m-instruct";
-}
 
 TEST(BpeTokenizer, RealModelMatchesHf) {
-  const fs::path dir = smollm2_dir();
+  const fs::path dir = testing::smollm2_dir();
   if (!fs::exists(dir / "tokenizer.json")) GTEST_SKIP() << "no model at " << dir << " (run scripts/setup)";
   const auto tok = load_tokenizer(dir.string());
   EXPECT_EQ(tok->size(), 49152);

@@ -128,13 +128,7 @@ TEST(ChatTemplate, LoadsFromTheModelFolder) {
 }
 
 TEST(ChatTemplate, RealModel) {
-  const char* cache = std::getenv("KVSCOPE_CACHE");
-  const char* xdg = std::getenv("XDG_CACHE_HOME");
-  const char* home = std::getenv("HOME");
-  const fs::path base = cache && *cache ? fs::path(cache)
-                        : xdg && *xdg   ? fs::path(xdg) / "kvscope"
-                                        : fs::path(home ? home : "/") / ".cache" / "kvscope";
-  const fs::path dir = base / "models" / "smollm2-135m-instruct";
+  const fs::path dir = testing::smollm2_dir();
   if (!fs::exists(dir / "chat_template.jinja"))
     GTEST_SKIP() << "no model at " << dir << " (run scripts/setup)";
   EXPECT_EQ(ChatTemplate::load(dir.string()).default_system_prompt(),

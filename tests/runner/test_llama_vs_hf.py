@@ -16,7 +16,9 @@ import tempfile
 import unittest
 from pathlib import Path
 
-MODEL_NAME = "smollm2-135m-instruct"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
+from real_model import model_dir  # noqa: E402  (tests/python/real_model.py: where scripts/setup imports it)
+
 PROSE = Path("/usr/share/common-licenses/GPL-3")
 N_PROMPT = 1024     # tokens of prose for the logits comparison
 N_GREEDY = 20       # greedy continuation compared token by token
@@ -25,10 +27,6 @@ CHAT_QUESTION = "What is the capital of France?"
 TOL = 1e-3
 
 
-def model_dir() -> Path:
-    cache = os.environ.get("KVSCOPE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "kvscope")
-    return Path(cache) / "models" / MODEL_NAME
 
 
 def skip(why: str):

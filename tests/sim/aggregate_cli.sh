@@ -28,14 +28,7 @@ table() { sed -n '/^policy /,/^$/p' <<<"$1"; }
 "$kvcap" aggregate "$dir/t.h5" -q --window 8 >/dev/null || { echo "FAIL aggregate --window 8"; fail=1; }
 w8=$(sweep "$dir/t.h5")
 grep -q '; recomputed: snapkv window 32 \[stored window is 8\]$' <<<"$w8" || { echo "FAIL window 8: $(grep 'attention statistics' <<<"$w8")"; fail=1; }
-check() {  # expected-substring command...
-  local want=$1; shift
-  local err rc
-  err=$("$@" 2>&1 >/dev/null); rc=$?
-  if [[ $rc -ne 2 || $(grep -c . <<<"$err") -ne 1 || $err != *"$want"* ]]; then
-    echo "FAIL '$*': exit $rc, wanted one line with '$want', got: $err"; fail=1
-  fi
-}
+source "$(dirname "$0")/cli_lib.sh"
 check "kvcap aggregate: missing TRACE" "$kvcap" aggregate
 check "--window must be at least 1, got 0" "$kvcap" aggregate "$dir/t.h5" --window 0
 check "no such file" "$kvcap" aggregate "$dir/none.h5"

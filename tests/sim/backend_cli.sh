@@ -20,8 +20,7 @@ elif [[ $rc -ne 2 || $(grep -c . <<<"$err") -ne 1 || $err != *"--backend cuda: "
 else
   echo "ok   $err"
 fi
-err=$("$kvsim" run --trace "$dir/t.h5" --policy h2o@0.5 --backend tpu -q 2>&1 >/dev/null); rc=$?
-[[ $rc -eq 2 && $err == *"unknown backend 'tpu' (valid: cpu, cuda, auto)"* ]] || { echo "FAIL bad backend: $rc $err"; fail=1; }
-err=$("$kvsim" run --trace "$dir/t.h5" --policy 'h2o~decode:0@0.5' -q 2>&1 >/dev/null); rc=$?
-[[ $rc -eq 2 && $(grep -c . <<<"$err") -eq 1 && $err == *"NAME~decode:INTERVAL"* ]] || { echo "FAIL bad suffix: $rc $err"; fail=1; }
+source "$(dirname "$0")/cli_lib.sh"
+check "unknown backend 'tpu' (valid: cpu, cuda, auto)" "$kvsim" run --trace "$dir/t.h5" --policy h2o@0.5 --backend tpu -q
+check "NAME~decode:INTERVAL" "$kvsim" run --trace "$dir/t.h5" --policy 'h2o~decode:0@0.5' -q
 exit $fail

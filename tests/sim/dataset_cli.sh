@@ -72,16 +72,7 @@ with h5py.File(sys.argv[1], "r") as f:
     assert 2 not in set(f["sample_points/sample"][:])
 PY
 
-check() {  # expected-substring command...
-  local want=$1; shift
-  local err rc
-  err=$("$@" 2>&1 >/dev/null); rc=$?
-  if [[ $rc -ne 2 || $(grep -c . <<<"$err") -ne 1 || $err != *"$want"* ]]; then
-    echo "FAIL '$*': exit $rc: $err"; fail=1
-  else
-    echo "ok   $err"
-  fi
-}
+source "$(dirname "$0")/cli_lib.sh"
 check "manifest.csv: no such file" "$kvsim" sweep --dataset "$dir" -q
 check "the pattern matches no file" "$kvsim" sweep --dataset "$dir/none*.h5" -q
 check "--by nosuch: no such column in the manifest" "$kvsim" sweep --dataset "$dir/ds" --by nosuch -q

@@ -19,16 +19,7 @@ w "$dir/huge.h5" 3011110 3 --dtype bfloat16 --scale 1e38
 w "$dir/bfmax.h5" 3011110 3 --dtype bfloat16 --scale 1e39
 w "$dir/onehuge.h5" 3011110 3 --dtype float32 --scale 1e30 --big-heads 1
 
-check() {  # expected-substring command...: exit 2, one line on stderr containing it
-  local want=$1; shift
-  local err rc
-  err=$(timeout 20 "$@" 2>&1 >/dev/null); rc=$?
-  if [[ $rc -ne 2 || $(grep -c . <<<"$err") -ne 1 || $err != *"$want"* ]]; then
-    echo "FAIL '$*': exit $rc: $err"; fail=1
-  else
-    echo "ok   $err"
-  fi
-}
+source "$(dirname "$0")/cli_lib.sh"
 works() {  # command...: exit 0, no 'nan' in stdout
   local out rc
   out=$(timeout 60 "$@" 2>/dev/null); rc=$?

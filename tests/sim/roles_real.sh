@@ -11,7 +11,8 @@
 set -uo pipefail
 kvcap=$1 kvsim=$2 python=$3 dir=$4
 rm -rf "$dir" && mkdir -p "$dir"
-real=${KVSCOPE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvscope}/models/smollm2-135m-instruct
+source "$(dirname "$0")/../../scripts/lib/env.sh"  # KVSCOPE_MODELS, as scripts/setup resolves it
+real=$KVSCOPE_MODELS/smollm2-135m-instruct
 if [[ ! -f $real/model.safetensors || ! -f $real/tokenizer.json ]]; then
   echo "skip: $real not found (scripts/setup imports SmolLM2-135M-Instruct)"
   exit 77

@@ -35,16 +35,7 @@ err=$("$kvsim" sweep --trace "$dir/t.h5" --policies h2o --budgets 0.5 -q --oracl
 [[ $rc -eq 0 && $err == *"--oracle is deprecated, use --alloc-search h2o"* ]] || { echo "FAIL --oracle: exit $rc: $err"; fail=1; }
 grep -q '^alloc-search:h2o ' "$dir/old.txt" || { echo "FAIL --oracle h2o gives no alloc-search:h2o row"; fail=1; }
 "$kvsim" run --trace "$dir/t.h5" --policy unicache@0.5 -q --layers >/dev/null 2>&1 || { echo "FAIL run unicache"; fail=1; }
-check() {  # expected-substring command...
-  local want=$1; shift
-  local err rc
-  err=$("$@" 2>&1 >/dev/null); rc=$?
-  if [[ $rc -ne 2 || $(grep -c . <<<"$err") -ne 1 || $err != *"$want"* ]]; then
-    echo "FAIL '$*': exit $rc: $err"; fail=1
-  else
-    echo "ok   $err"
-  fi
-}
+source "$(dirname "$0")/cli_lib.sh"
 check "unknown policy 'h2oo'" "$kvsim" run --trace "$dir/t.h5" --policy h2oo@0.3 -q
 check "malformed budget" "$kvsim" run --trace "$dir/t.h5" --policy h2o@lots -q
 check "must be in (0, 1]" "$kvsim" sweep --trace "$dir/t.h5" --policies h2o --budgets 2 -q

@@ -74,7 +74,8 @@ exit $fail
 fi
 
 # --- the real model (scripts/setup): 2 passkey samples at 512 tokens, full + an aggressive budget.
-real=${KVSCOPE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvscope}/models/smollm2-135m-instruct
+source "$(dirname "$0")/../../scripts/lib/env.sh"  # KVSCOPE_MODELS, as scripts/setup resolves it
+real=$KVSCOPE_MODELS/smollm2-135m-instruct
 if [[ -f $real/model.safetensors && -f $real/tokenizer.json ]]; then
   if "$kvcap" eval --model "$real" --task passkey --length 512 --samples 2 --seed 1 --policies streamingllm \
        --budgets 0.02 --threads 2 -q -o "$dir/p.h5" --csv "$dir/p.csv" --answers "$dir/p_answers.csv" \
