@@ -62,9 +62,14 @@ std::vector<double> budgets_for(const std::string& path) {
   return {0.2, 0.6};
 }
 
-// Measured (docs/policies.md): a preset beats the bound on one kv head of one layer in 2.3 % of the
-// comparisons (474 of 20988, worst by 0.56), on a point (the mean over layers and heads) never.
-constexpr double kMaxHeadBeatenShare = 0.05;
+// Measured (docs/policies.md): on the four traces/*.h5, a preset beats the bound on one kv head of one
+// layer in 5.1 % of the comparisons (237 of 4,608, worst by 0.56), on a layer (mean over its kv heads)
+// in 3.5 % (81 of 2,304), on a point (the mean over layers and heads) never. Every preset does, random
+// included (11 to 27 heads each), so the share is the bound's own distance from each head's
+// output-error optimum, not one preset's strength. The limits catch a bound that got worse: with h2o in
+// the bound's place 30 % of the heads and 28 % of the layers are beaten, with random 54 % and 59 %.
+constexpr double kMaxHeadBeatenShare = 0.075;
+constexpr double kMaxLayerBeatenShare = 0.05;
 
 TEST(OracleBound, NoEvictionPresetBeatsTheBoundAtEqualKeptTokens) {
   const auto traces = shipped_traces();
@@ -72,7 +77,9 @@ TEST(OracleBound, NoEvictionPresetBeatsTheBoundAtEqualKeptTokens) {
   const auto presets = eviction_presets();
   ASSERT_GE(presets.size(), 8u);
   const PolicySpec bound = PolicyRegistry().get("oracle-topk");
-  std::size_t heads_compared = 0, heads_beaten = 0, points_compared = 0, points_beaten = 0;
+  std::size_t heads_compared = 0, heads_beaten = 0, layers_compared = 0, layers_beaten = 0, points_compared = 0,
+              points_beaten = 0;
+  std::map<std::string, int> heads_beaten_by;  // preset -> kv heads on which it beats the bound
   double worst_head = 0, worst_point = 0;
   std::string worst_head_at, worst_point_at;
   for (const auto& path : traces) {
@@ -111,7 +118,10 @@ TEST(OracleBound, NoEvictionPresetBeatsTheBoundAtEqualKeptTokens) {
             const double margin =
                 h.quality.output_error - oh.quality.output_error;  // < 0: the preset is better
             ++heads_compared;
-            if (margin < 0) ++heads_beaten;
+            if (margin < 0) {
+              ++heads_beaten;
+              ++heads_beaten_by[presets[i].name];
+            }
             if (-margin > worst_head) {
               worst_head = -margin;
               worst_head_at = fs::path(path).filename().string() + " " + presets[i].name + "@" +
@@ -123,6 +133,8 @@ TEST(OracleBound, NoEvictionPresetBeatsTheBoundAtEqualKeptTokens) {
             sum_p += h.quality.output_error;
             sum_b += oh.quality.output_error;
           }
+          ++layers_compared;
+          if (sum_p < sum_b) ++layers_beaten;
           pe[i][b] += sum_p / static_cast<double>(r.heads.size());
           be[i][b] += sum_b / static_cast<double>(r.heads.size());
         }
@@ -147,10 +159,14 @@ TEST(OracleBound, NoEvictionPresetBeatsTheBoundAtEqualKeptTokens) {
   std::printf("bound vs %zu eviction presets on %zu traces:\n", presets.size(), traces.size());
   std::printf("  kv heads: %zu of %zu beaten by a preset; worst by %.4f (%s)\n", heads_beaten, heads_compared,
               worst_head, worst_head_at.c_str());
+  std::printf("   by preset:");
+  for (const auto& [name, n] : heads_beaten_by) std::printf(" %s %d", name.c_str(), n);
+  std::printf("\n  layers (mean over kv heads): %zu of %zu beaten\n", layers_beaten, layers_compared);
   std::printf("  points (mean over layers): %zu of %zu beaten; worst by %.4f (%s)\n", points_beaten,
               points_compared, worst_point, worst_point_at.c_str());
   // Top-k attention mass is not the output-error optimum of one head: a preset may beat it there.
   EXPECT_LE(static_cast<double>(heads_beaten), kMaxHeadBeatenShare * static_cast<double>(heads_compared));
+  EXPECT_LE(static_cast<double>(layers_beaten), kMaxLayerBeatenShare * static_cast<double>(layers_compared));
   EXPECT_GT(heads_compared, 1000u);
 }
 
