@@ -556,6 +556,22 @@ std::string format_dataset_summary(const DatasetResults& dr, int top) {
   const auto &rec = col("attention_recall_mean").f64, &rec_lo = col("attention_recall_lo").f64,
              &rec_hi = col("attention_recall_hi").f64;
   const auto& bytes = col("bytes_ratio_mean").f64;
+  // A policy is ranked at a budget only when its bytes are within it: bytes ratio <= the requested
+  // fraction plus half a token of the shortest context (each head keeps lround(keep * T) tokens).
+  std::int64_t shortest = 0;
+  for (const ResultsTable& t : dr.tables) {
+    if (t.name != "samples") continue;
+    const ResultsColumn *tok = nullptr, *status = nullptr;
+    for (const ResultsColumn& c : t.columns) {
+      if (c.name == "context_tokens") tok = &c;
+      if (c.name == "status") status = &c;
+    }
+    if (!tok || !status) continue;
+    for (std::size_t r = 0; r < tok->i64.size(); ++r)
+      if (status->str[r] == "ok" && tok->i64[r] > 0 && (shortest == 0 || tok->i64[r] < shortest))
+        shortest = tok->i64[r];
+  }
+  const double slack = (shortest > 0 ? 0.5 / static_cast<double>(shortest) : 0.0) + 1e-9;
   const ResultsMeta& m = dr.meta;
   const int pct = static_cast<int>(std::lround(m.confidence * 100));
   o << "dataset " << m.dataset_source << ": " << (m.num_samples - m.failed_samples) << " of " << m.num_samples
@@ -590,12 +606,12 @@ std::string format_dataset_summary(const DatasetResults& dr, int top) {
         budgets.push_back(p.budget);
     }
     for (const std::string& b : budgets) {
-      std::vector<std::size_t> pol, bound;
+      std::vector<std::size_t> pol, over, bound;
       for (std::size_t r : rs) {
         const PointResult& p = dr.points[static_cast<std::size_t>(point[r])];
         if (p.budget != b) continue;
         if (p.kind == "policy")
-          pol.push_back(r);
+          (bytes[r] > p.budget_value + slack ? over : pol).push_back(r);
         else if (p.kind == "bound")
           bound.push_back(r);
       }
@@ -617,6 +633,15 @@ std::string format_dataset_summary(const DatasetResults& dr, int top) {
                       interval(rec[r], rec_lo[r], rec_hi[r]).c_str(), static_cast<long long>(n[r]));
         o << line;
         first = false;
+      }
+      if (!over.empty()) {
+        std::string names;
+        for (std::size_t r : over) {
+          const PointResult& p = dr.points[static_cast<std::size_t>(point[r])];
+          names += (names.empty() ? "" : ", ") + p.policy + " " + fixed(bytes[r], 3);
+        }
+        std::snprintf(line, sizeof line, "  %-8s ", first ? b.c_str() : "");
+        o << line << "not ranked (bytes above the budget): " << names << "\n";
       }
     }
   }

@@ -38,7 +38,9 @@ cp -r "$dir/ds" "$dir/bad" && head -c 3000 "$dir/ds/s00004.h5" > "$dir/bad/s0000
 # A killed rank: kill -9 rank 1 while the units run; the job must fail and leave no r.h5.
 kill_test() {
   rm -f "$dir/killed.h5" "$dir/killed.h5.partial"
-  "${mpi[@]}" "$kvsim" sweep --dataset "$dir/ds" --threads 1 --budgets 0.1:0.9:0.1 -o "$dir/killed.h5" > "$dir/killed.txt" 2>&1 &
+  # (20,000 resamples: rank 0 aggregates for seconds after the units, so the kill lands mid-run even
+  # when the units take well under the second below on a quiet machine)
+  "${mpi[@]}" "$kvsim" sweep --dataset "$dir/ds" --threads 1 --budgets 0.1:0.9:0.1 --bootstrap 20000 -o "$dir/killed.h5" > "$dir/killed.txt" 2>&1 &
   local job=$! victim="" t
   for t in $(seq 1 300); do  # find rank 1 (OMPI_COMM_WORLD_RANK=1 in its environment)
     for p in $(pgrep -f "kvsim sweep --dataset $dir/ds --threads 1 --budgets"); do

@@ -218,5 +218,64 @@ TEST(Aggregate, MeanPointsTablesAndGroups) {
   EXPECT_THROW(aggregate_dataset(ds, rs, {}, o, {}), std::runtime_error);
 }
 
+// The summary ranks a policy at a budget only when its bytes are within it (up to half a token of the
+// shortest context): a policy keeping more (FastV's early layers) is listed as not ranked, however low
+// its error.
+TEST(Aggregate, SummaryRanksOnlyPoliciesWithinTheBudget) {
+  trace::Dataset ds;
+  ds.source = "ds";
+  ds.columns = {"sample", "trace"};
+  std::vector<SampleResult> rs;
+  // Copy of point 0 (h2o: 50 of 100 bytes per head) as `name`, keeping `kept` bytes with `err_scale`.
+  auto variant = [](const PointResult& base, const char* name, std::int64_t kept, double err_scale) {
+    PointResult p = base;
+    p.policy = name;
+    p.total = HeadResult{};
+    for (LayerResult& lr : p.layers) {
+      for (HeadResult* h : {&lr.heads[0], &lr.total}) {
+        h->bytes_kept.kv = kept;
+        h->bytes_kept_modality = {kept, 0, 0, 0};
+        h->quality.output_error *= err_scale;
+      }
+      accumulate(p.total, lr.total, 0.5);
+    }
+    return p;
+  };
+  for (int i = 0; i < 4; ++i) {
+    trace::DatasetSample s;
+    s.sample = "s" + std::to_string(i);
+    s.trace = s.sample + ".h5";
+    s.values = {s.sample, s.trace};
+    ds.samples.push_back(s);
+    SampleResult r = sample(0.1 * (i + 1), 100);  // slack: half a token of 100
+    const PointResult h2o = r.points[0];
+    r.points.push_back(variant(h2o, "fastv", 90, 0.1));  // 0.9 of the bytes at budget 0.5
+    r.points.push_back(variant(h2o, "tova", 50, 2.0));   // within, worse than h2o
+    r.points.push_back(variant(h2o, "knorm", 51, 0.5));  // 0.51 > 0.5 + 0.005: over
+    rs.push_back(r);
+  }
+  BootstrapOptions o;
+  o.resamples = 50;
+  const DatasetResults a = aggregate_dataset(ds, rs, {}, o, {});
+  const std::string summary = format_dataset_summary(a, 3);
+  const auto row = [&](const std::string& name) { return summary.find("  " + name + " "); };
+  ASSERT_NE(row("h2o"), std::string::npos) << summary;
+  ASSERT_NE(row("tova"), std::string::npos) << summary;
+  EXPECT_LT(row("h2o"), row("tova")) << summary;  // ranked by error among the policies within
+  EXPECT_EQ(row("fastv"), std::string::npos) << summary;  // never a ranked row
+  EXPECT_NE(summary.find("not ranked (bytes above the budget): fastv 0.900, knorm 0.510"), std::string::npos)
+      << summary;
+  // Half a token of the shortest context is rounding, not over the budget: 50.4 of 100 bytes at T = 100.
+  for (SampleResult& r : rs) {
+    for (LayerResult& lr : r.points[4].layers)
+      for (HeadResult* h : {&lr.heads[0], &lr.total}) h->bytes_full.kv = 1000, h->bytes_kept.kv = 504;
+    r.points[4].total = HeadResult{};
+    for (LayerResult& lr : r.points[4].layers) accumulate(r.points[4].total, lr.total, 0.5);
+  }
+  const std::string again = format_dataset_summary(aggregate_dataset(ds, rs, {}, o, {}), 3);
+  EXPECT_NE(again.find("not ranked (bytes above the budget): fastv 0.900\n"), std::string::npos) << again;
+  EXPECT_NE(again.find("  knorm "), std::string::npos) << again;
+}
+
 }  // namespace
 }  // namespace kvscope::sim

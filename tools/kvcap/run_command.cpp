@@ -162,7 +162,7 @@ po::options_description make_options() {
       "kvcap run --model DIR (--prompt TEXT | --prompt-file F) [--chat] [--max-new N] -o FILE\n"
       "kvcap run --model DIR --task NAME [--length N] [--seed S] [--sample I] -o FILE\n"
       "kvcap run --model DIR --heldout I -o FILE\n"
-      "kvcap run --model DIR [--task NAME [--length N] [--seed S]] --samples N -o DIR/\n\n"
+      "kvcap run --model DIR [--task NAME [--length N] [--seed S]] --samples N [--first F] -o DIR/\n\n"
       "Runs a model directory and captures the run into a trace. Two kinds of model:\n"
       "  - a kvscope tiny VLM (config.json KvscopeTinyVlm, model.safetensors, vocab.json): one or two\n"
       "    images (--image or --scene) and a --question in its vocabulary;\n"
@@ -202,7 +202,10 @@ po::options_description make_options() {
       "tiny VLM: held-out sample I of the model's heldout.json (its scenes and question)")(
       "samples", po::value<int>(),
       "capture samples 0..N-1 (tiny VLM: heldout.json; text model: --task prompts) into the dataset "
-      "directory -o DIR (docs/datasets.md)")("quiet,q", "with --samples: no progress bar")(
+      "directory -o DIR (docs/datasets.md)")(
+      "first", po::value<int>()->default_value(0),
+      "with --samples: index of the first sample (samples F .. F+N-1; ids s%05d of the index)")(
+      "quiet,q", "with --samples: no progress bar")(
       "prompt", po::value<std::string>(), "text model: the prompt text")(
       "prompt-file", po::value<std::string>(), "text model: read the prompt text from this file (UTF-8)")(
       "chat", po::bool_switch(), "text model: render the prompt as a user message through the chat template")(
@@ -452,6 +455,9 @@ int run_command(const std::vector<std::string>& args) {
     }
   }
   int num_samples = 0;
+  const int first = vm["first"].as<int>();
+  if (!dataset && !vm["first"].defaulted()) return fail("--first needs --samples");
+  if (first < 0 || first > 99999) return fail("--first must be in 0..99999, got " + std::to_string(first));
   if (dataset) {
     num_samples = vm["samples"].as<int>();
     if (num_samples < 1 || num_samples > 100000)
@@ -519,10 +525,10 @@ int run_command(const std::vector<std::string>& args) {
       prompt_text = read_prompt(vm);
     } else if (dataset || has_heldout) {
       heldout = closedloop::load_heldout(model_dir);
-      const int want = dataset ? num_samples : vm["heldout"].as<int>() + 1;
+      const int want = dataset ? first + num_samples : vm["heldout"].as<int>() + 1;
       if (has_heldout && vm["heldout"].as<int>() < 0) return fail("--heldout must be >= 0");
       if (want > static_cast<int>(heldout.size())) {
-        return fail((dataset ? "--samples " + std::to_string(num_samples)
+        return fail((dataset ? "--first " + std::to_string(first) + " --samples " + std::to_string(num_samples)
                              : "--heldout " + std::to_string(vm["heldout"].as<int>())) +
                     " but " + model_dir + "/heldout.json has only " + std::to_string(heldout.size()) +
                     " samples");
@@ -552,7 +558,7 @@ int run_command(const std::vector<std::string>& args) {
       // Samples 0..I are drawn (sample i depends only on task, length, seed and i) and I is run.
       chat_template.emplace(runner::ChatTemplate::load(model_dir));
       task_samples = closedloop::make_task_samples(vm["task"].as<std::string>(), vm["length"].as<int>(),
-                                                   dataset ? num_samples : vm["sample"].as<int>() + 1,
+                                                   dataset ? first + num_samples : vm["sample"].as<int>() + 1,
                                                    vm["seed"].as<unsigned long long>(), haystack,
                                                    closedloop::token_counter(model->tokenizer()));
       if (!dataset)
@@ -597,7 +603,7 @@ int run_command(const std::vector<std::string>& args) {
     std::vector<std::vector<std::string>> rows;
     cli::ProgressBar bar("kvcap run", static_cast<std::size_t>(num_samples), !vm.count("quiet"));
     int correct = 0;
-    for (int i = 0; i < num_samples; ++i) {
+    for (int i = first; i < first + num_samples; ++i) {
       char name[32];
       std::snprintf(name, sizeof name, "s%05d", i);
       const std::string file = std::string(name) + ".h5";
@@ -645,7 +651,7 @@ int run_command(const std::vector<std::string>& args) {
         return fail("sample " + std::string(name) + ": " + e.what() + " (" + out +
                     " is left without a manifest: not a dataset)");
       }
-      bar.update(static_cast<std::size_t>(i + 1));
+      bar.update(static_cast<std::size_t>(i - first + 1));
     }
     bar.finish();
     try {

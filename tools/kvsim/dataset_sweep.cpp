@@ -85,7 +85,8 @@ void add_dataset_options(po::options_description& opts) {
       "seed", po::value<unsigned long long>()->default_value(0), "with --dataset: bootstrap seed")(
       "confidence", po::value<double>()->default_value(0.95, "0.95"), "with --dataset: interval level")(
       "top", po::value<int>()->default_value(3),
-      "with --dataset: policies listed per budget in the summary (lowest mean output error first)")(
+      "with --dataset: policies listed per budget in the summary (lowest mean output error first, among "
+      "those whose bytes are within the budget)")(
       "skip-bad",
       "with --dataset: a trace that cannot be replayed is recorded as failed (/samples status) and the rest "
       "completes (default: the sweep fails naming it)")(

@@ -68,7 +68,9 @@ DatasetResults aggregate_dataset(const trace::Dataset& dataset, const std::vecto
                                  const CollapseThresholds& thresholds);
 
 // The compact stdout summary: per grouping and group, per budget, the `top` policies with the lowest
-// mean output error, each with its interval, and the bound's row at that budget.
+// mean output error among those within the budget (bytes ratio <= the requested fraction plus half a
+// token of the shortest context), each with its interval, the bound's row at that budget, and a line
+// naming the policies whose bytes are above the budget (not ranked).
 std::string format_dataset_summary(const DatasetResults& results, int top);
 
 }  // namespace kvscope::sim
