@@ -3,6 +3,8 @@
 #include <memory>
 #include <stdexcept>
 
+#include <pybind11/stl.h>
+
 #include "arrays.hpp"
 #include "bindings.hpp"
 #include "kvscope/sim/closed_loop.hpp"

@@ -57,6 +57,15 @@ class PrefillTest(unittest.TestCase):
         self.check_against_kvsim(TWO, "h2o", "40tok")
         self.check_against_kvsim(TWO, "streamingllm", 0.25)
 
+    def test_warnings_say_when_a_budget_is_below_the_forced_set(self):
+        t = kt.open(FINE)
+        c = sel.PrefillCompressor("streamingllm", 0.02, **labels(t))
+        self.assertEqual(c.warnings, [])
+        s = c.compress_layer(0, *t.layer(0))
+        self.assertEqual(len(c.warnings), 1, c.warnings)
+        self.assertIn("below the forced set", c.warnings[0])
+        self.assertTrue(all(len(k) == 4 for k in s.kept))  # the 4 sinks/recent tokens, as kvsim keeps
+
     def test_quantizing_and_merging(self):
         t, layers = self.check_against_kvsim(FINE, "h2o+int8", 0.5)
         _, k, _ = t.layer(0)
