@@ -545,8 +545,7 @@ std::string format_dataset_summary(const DatasetResults& dr, int top) {
     if (t.name == "aggregate") agg = &t;
   if (!agg) return "";
   auto col = [&](const std::string& name) -> const ResultsColumn& {
-    for (const ResultsColumn& c : agg->columns)
-      if (c.name == name) return c;
+    if (const ResultsColumn* c = agg->find(name)) return *c;
     throw std::logic_error("no aggregate column " + name);
   };
   const auto &by = col("by").str, &group = col("group").str, &mod = col("modality").str;
@@ -561,11 +560,7 @@ std::string format_dataset_summary(const DatasetResults& dr, int top) {
   std::int64_t shortest = 0;
   for (const ResultsTable& t : dr.tables) {
     if (t.name != "samples") continue;
-    const ResultsColumn *tok = nullptr, *status = nullptr;
-    for (const ResultsColumn& c : t.columns) {
-      if (c.name == "context_tokens") tok = &c;
-      if (c.name == "status") status = &c;
-    }
+    const ResultsColumn *tok = t.find("context_tokens"), *status = t.find("status");
     if (!tok || !status) continue;
     for (std::size_t r = 0; r < tok->i64.size(); ++r)
       if (status->str[r] == "ok" && tok->i64[r] > 0 && (shortest == 0 || tok->i64[r] < shortest))

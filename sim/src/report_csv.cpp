@@ -7,6 +7,7 @@
 #include <sstream>
 #include <functional>
 #include <system_error>
+#include <utility>
 
 #include "kvscope/sim/report.hpp"
 
@@ -180,7 +181,11 @@ ResultsColumn& ResultsTable::add(std::string column, ResultsColumn::Type type, s
 }
 
 ResultsColumn* ResultsTable::find(const std::string& column) {
-  for (ResultsColumn& c : columns)
+  return const_cast<ResultsColumn*>(std::as_const(*this).find(column));
+}
+
+const ResultsColumn* ResultsTable::find(const std::string& column) const {
+  for (const ResultsColumn& c : columns)
     if (c.name == column) return &c;
   return nullptr;
 }

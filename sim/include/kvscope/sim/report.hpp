@@ -76,6 +76,7 @@ struct ResultsTable {
   std::size_t rows() const { return columns.empty() ? 0 : columns.front().size(); }
   ResultsColumn& add(std::string name, ResultsColumn::Type type, std::string description);
   ResultsColumn* find(const std::string& name);
+  const ResultsColumn* find(const std::string& name) const;
 };
 
 // Meta from a trace summary (kvsim run/sweep fill command_line from argv).
