@@ -462,6 +462,83 @@ TEST(Generation, TokensFedAfterThePrefillAreCausalDecodeStepsEqualToFeedingThemO
   EXPECT_THROW(model.generate(context, with_hook), RunnerError);
 }
 
+// forward_batch: requests of 1 and 3 new tokens over three caches of different lengths give each request's
+// own forward() (logits, every layer's appended K/V and what its observer sees) up to float rounding, and
+// push no ranges.
+TEST(Generation, BatchedForwardEqualsEachRequestsOwnForward) {
+  Model model = Model::load(testing::fixture_dir("ntk").string());
+  const auto& cfg = model.config();
+  const std::vector<Prompt> prompts = {model.build_prompt({render_scene(3).image}, "what color is the circle ?"),
+                                       model.build_prompt({render_scene(4).image}, "how many shapes are there ?"),
+                                       model.build_prompt({render_scene(5).image, render_scene(6).image},
+                                                          "which image has more shapes ?")};
+  const std::vector<std::vector<std::int32_t>> fed = {{5}, {7, 8, 9}, {11}};
+  std::vector<KvCache> one, batched;
+  for (const Prompt& p : prompts) {
+    KvCache cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim);
+    const std::vector<float> x = model.embed(p);
+    ForwardRequest req;
+    req.x = x.data();
+    req.tokens = p.tokens.data();
+    req.num_tokens = p.size();
+    std::vector<float> logits;
+    model.backend().forward(req, cache, nullptr, logits);
+    one.push_back(cache);
+    batched.push_back(cache);
+  }
+  ASSERT_NE(prompts[0].size(), prompts[2].size());
+  const int d = cfg.hidden_size;
+  std::vector<std::vector<TokenInfo>> toks(3);
+  std::vector<std::vector<float>> x(3), own(3), got(3);
+  struct RangeCounter : TokenObserver {
+    void range_push(const char*) override { ++ranges; }
+    int ranges = 0;
+  };
+  std::vector<RangeCounter> own_obs(3), batch_obs(3);
+  std::vector<BatchedRequest> batch(3);
+  for (std::size_t i = 0; i < 3; ++i) {
+    for (std::size_t j = 0; j < fed[i].size(); ++j) {
+      TokenInfo t;
+      t.token_id = fed[i][j];
+      t.position = t.index = prompts[i].size() + static_cast<int>(j);
+      t.segment = static_cast<int>(prompts[i].images.size());
+      toks[i].push_back(t);
+      x[i].insert(x[i].end(), model.weights().embed_tokens.data() + static_cast<std::size_t>(t.token_id) * d,
+                  model.weights().embed_tokens.data() + static_cast<std::size_t>(t.token_id + 1) * d);
+    }
+    ForwardRequest req;
+    req.x = x[i].data();
+    req.tokens = toks[i].data();
+    req.num_tokens = static_cast<int>(fed[i].size());
+    req.decode_step = 0;
+    req.all_logits = i == 1;
+    model.backend().forward(req, one[i], &own_obs[i], own[i]);
+    batch[i] = BatchedRequest{req, &batched[i], &batch_obs[i], &got[i]};
+  }
+  model.backend().forward_batch(batch);
+  for (std::size_t i = 0; i < 3; ++i) {
+    SCOPED_TRACE("request " + std::to_string(i));
+    ASSERT_EQ(got[i].size(), own[i].size());
+    EXPECT_EQ(got[i].size(), (i == 1 ? 3u : 1u) * static_cast<std::size_t>(cfg.vocab_size));
+    EXPECT_LT(max_abs_diff(got[i], own[i]), 1e-4f);
+    EXPECT_GT(own_obs[i].ranges, 0);
+    EXPECT_EQ(batch_obs[i].ranges, 0);
+    for (int l = 0; l < cfg.num_layers; ++l) {
+      ASSERT_EQ(batch_obs[i].decode[l].size(), own_obs[i].decode[l].size());
+      for (std::size_t s = 0; s < own_obs[i].decode[l].size(); ++s)
+        EXPECT_LT(max_abs_diff(batch_obs[i].decode[l][s], own_obs[i].decode[l][s]), 1e-4f) << "layer " << l;
+      for (int h = 0; h < cfg.num_kv_heads; ++h) {
+        const HeadCache &a = batched[i].head(l, h), &b = one[i].head(l, h);
+        ASSERT_EQ(a.size(), prompts[i].size() + static_cast<int>(fed[i].size()));
+        ASSERT_EQ(a.size(), b.size());
+        const std::size_t n = static_cast<std::size_t>(a.size()) * cfg.head_dim;
+        EXPECT_LT(max_abs_diff(std::vector<float>(a.keys(), a.keys() + n), std::vector<float>(b.keys(), b.keys() + n)),
+                  1e-4f);
+      }
+    }
+  }
+}
+
 TEST(CacheHook, KeepingEverythingChangesNothing) {
   Model model = Model::load(testing::fixture_dir("linear").string());
   const Prompt p = model.build_prompt({render_scene(1).image}, "where is the red circle ?");

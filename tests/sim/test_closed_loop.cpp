@@ -342,9 +342,11 @@ TEST_F(ClosedLoop, VisionEvictionHurtsVisionQuestionsMoreThanTextOnly) {
 
 }  // namespace
 
-// Sample-outer evaluation (one uncompressed prefill per sample, reused by every point) gives the same
-// results as a prefill per run: accuracy, KL, agreement, bytes and the generated answers, for prefill-mode,
-// merging, quantizing and decode-time policies.
+// Sample-outer evaluation (one uncompressed prefill per sample, reused by every point, the points' runs
+// decoded together in batched forwards and teacher-forced by forking at the first differing token) gives the
+// results of a prefill and two separate runs per point: accuracy, agreement, bytes and the generated
+// answers exactly, the KL up to the float rounding of the batched products; for prefill-mode, merging,
+// quantizing and decode-time policies, with every point in one batch and with batches of 2.
 TEST_F(ClosedLoop, SharedPrefillEqualsPerPointPrefill) {
   std::vector<closedloop::HeldoutSample> samples(
       samples_->begin(), samples_->begin() + std::min<std::size_t>(8, samples_->size()));
@@ -358,6 +360,10 @@ TEST_F(ClosedLoop, SharedPrefillEqualsPerPointPrefill) {
       closedloop::evaluate_shared(*model_, points, shared_refs, 6, [&](std::size_t) { ++calls; });
   EXPECT_EQ(calls, samples.size() * (points.size() + 1));
   ASSERT_EQ(shared.size(), points.size());
+  std::vector<closedloop::Reference> pair_refs = closedloop::make_references(*model_, samples, 0);
+  const std::vector<closedloop::PointStats> pairs =
+      closedloop::evaluate_shared(*model_, points, pair_refs, 6, {}, 2);
+  ASSERT_EQ(pairs.size(), points.size());
   for (std::size_t i = 0; i < refs.size(); ++i) {
     EXPECT_EQ(shared_refs[i].run.tokens, refs[i].run.tokens) << "sample " << i;
     EXPECT_EQ(shared_refs[i].run.logits, refs[i].run.logits) << "sample " << i;
@@ -365,18 +371,19 @@ TEST_F(ClosedLoop, SharedPrefillEqualsPerPointPrefill) {
   bool any_differs = false;
   for (std::size_t k = 0; k < points.size(); ++k) {
     const closedloop::PointStats per = closedloop::evaluate_point(*model_, points[k], refs, 6);
-    const closedloop::PointStats& sh = shared[k];
-    const std::string what = points[k].policy + "@" + points[k].budget;
-    EXPECT_EQ(sh.accuracy, per.accuracy) << what;
-    EXPECT_EQ(sh.kl, per.kl) << what;
-    EXPECT_EQ(sh.agreement, per.agreement) << what;
-    EXPECT_EQ(sh.keep, per.keep) << what;
-    EXPECT_EQ(sh.bytes_end, per.bytes_end) << what;
-    EXPECT_EQ(sh.bytes_peak, per.bytes_peak) << what;
-    EXPECT_EQ(sh.bytes_end_modality, per.bytes_end_modality) << what;
-    EXPECT_EQ(sh.bytes_match, per.bytes_match) << what;
-    EXPECT_EQ(sh.family_samples, per.family_samples) << what;
-    EXPECT_EQ(sh.generated, per.generated) << what;
+    for (const closedloop::PointStats* sh : {&shared[k], &pairs[k]}) {
+      const std::string what = points[k].policy + "@" + points[k].budget + (sh == &pairs[k] ? " (batches of 2)" : "");
+      EXPECT_EQ(sh->accuracy, per.accuracy) << what;
+      EXPECT_NEAR(sh->kl, per.kl, 1e-4 + 1e-3 * per.kl) << what;
+      EXPECT_EQ(sh->agreement, per.agreement) << what;
+      EXPECT_EQ(sh->keep, per.keep) << what;
+      EXPECT_EQ(sh->bytes_end, per.bytes_end) << what;
+      EXPECT_EQ(sh->bytes_peak, per.bytes_peak) << what;
+      EXPECT_EQ(sh->bytes_end_modality, per.bytes_end_modality) << what;
+      EXPECT_EQ(sh->bytes_match, per.bytes_match) << what;
+      EXPECT_EQ(sh->family_samples, per.family_samples) << what;
+      EXPECT_EQ(sh->generated, per.generated) << what;
+    }
     any_differs = any_differs || per.agreement < 1.0 || per.kl > 0;
   }
   EXPECT_TRUE(any_differs) << "no point changed the answers: the comparison proves nothing";

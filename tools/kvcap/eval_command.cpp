@@ -57,7 +57,9 @@ po::options_description make_options() {
       "prefilled and compressed, then the question, the end of the user turn and the answer prefix are fed\n"
       "one decode step each (what kvcap run --task records and kvsim replays by default) and the answer is\n"
       "generated; --question-in-context prefills and compresses the whole prompt instead.\n"
-      "Each sample's uncompressed prefill runs once and every point continues from a copy of it.\n\nOptions");
+      "Each sample's uncompressed prefill runs once and every point continues from a copy of it; the points'\n"
+      "runs are decoded together (one batched forward per step, the weights read once for all of them).\n\n"
+      "Options");
   opts.add_options()("help,h", "show this help")(
       "model", po::value<std::string>(),
       "model directory: the tiny VLM (config.json, model.safetensors, vocab.json, heldout.json) or, with "
@@ -91,6 +93,9 @@ po::options_description make_options() {
       "per-point-prefill",
       "run the uncompressed prefill again for every point (slower; the default runs it once per sample and "
       "continues every point from a copy, with identical results)")(
+      "max-batch", po::value<int>()->default_value(0),
+      "points decoded together per sample (0: as many as 4 GiB of uncompressed caches of the prompt hold; "
+      "1: one run at a time)")(
       "threads", po::value<int>()->default_value(1),
       "OpenMP threads of the runner and kernels (0 = OpenMP default; at most 4 x the hardware threads, "
       "1024); a sample is a few ms of "
@@ -118,6 +123,10 @@ int eval_command(const std::vector<std::string>& args) {
   if (n < 1) return fail("--samples must be >= 1");
   if (max_new < 1 || max_new > 64) return fail("--max-new must be in 1..64");
   if (const std::string bad = cli::check_threads(threads); !bad.empty()) return fail(bad);
+  const int max_batch = vm["max-batch"].as<int>();
+  if (max_batch < 0 || max_batch > 100000) return fail("--max-batch must be in 0..100000");
+  if (vm.count("per-point-prefill") && !vm["max-batch"].defaulted())
+    return fail("--max-batch needs the shared prefill (not --per-point-prefill)");
 
   // Points: policies x budgets in kvsim's syntax, `full` first.
   std::vector<sim::SweepPoint> points;
@@ -250,7 +259,7 @@ int eval_command(const std::vector<std::string>& args) {
       std::vector<closedloop::Reference> refs =
           text_task ? std::move(task_refs) : closedloop::make_references(model, samples, 0);
       stats = closedloop::evaluate_shared(model, eval_points, refs, max_new,
-                                          [&](std::size_t k) { bar.update(k); });
+                                          [&](std::size_t k) { bar.update(k); }, max_batch);
       for (const auto& r : refs) info.reference_seconds += r.run.seconds;
     }
     const double total_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

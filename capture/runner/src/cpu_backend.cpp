@@ -317,10 +317,23 @@ class CpuBackend final : public DecoderBackend {
 
   void forward(const ForwardRequest& req, KvCache& cache, RunObserver* obs,
                std::vector<float>& logits) override {
+    run({BatchedRequest{req, &cache, obs, &logits}}, true);
+  }
+
+  void forward_batch(const std::vector<BatchedRequest>& batch) override { run(batch, batch.size() == 1); }
+
+ private:
+  // The forward of every request of `batch` (forward() is a batch of one): the new tokens of all requests
+  // are the rows of one matrix for the norms, projections, RoPE and MLP; each request's rows are observed,
+  // appended to its cache and attend over it on their own. `ranges`: push the layer ranges (one request).
+  void run(const std::vector<BatchedRequest>& batch, bool ranges) {
     kernels::pin_blas_to_one_thread();
-    const int t = req.num_tokens, d = c_.hidden_size, dh = c_.head_dim, hq = c_.num_q_heads,
-              hkv = c_.num_kv_heads;
+    const int d = c_.hidden_size, dh = c_.head_dim, hq = c_.num_q_heads, hkv = c_.num_kv_heads;
     const int inter = c_.intermediate_size;
+    const std::size_t n = batch.size();
+    std::vector<int> row0(n + 1, 0);  // request i's tokens are rows row0[i] .. row0[i+1]-1
+    for (std::size_t i = 0; i < n; ++i) row0[i + 1] = row0[i] + batch[i].request.num_tokens;
+    const int t = row0[n];
     const std::size_t ut = static_cast<std::size_t>(t);
     // Work buffers, kept between calls (decode steps reuse them).
     grow(h_, ut * d);  // [T, d] residual stream
@@ -333,19 +346,27 @@ class CpuBackend final : public DecoderBackend {
     grow(up_, ut * inter);      // [T, I]
     float *h = h_.data(), *a = a_.data(), *q = q_.data(), *k = k_.data(), *v = v_.data();
     float *attn = attn_.data(), *gate = gate_.data(), *up = up_.data();
-    std::copy(req.x, req.x + ut * d, h);
+    std::vector<TokenInfo> tokens;
+    tokens.reserve(ut);
+    for (std::size_t i = 0; i < n; ++i) {
+      const ForwardRequest& req = batch[i].request;
+      std::copy(req.x, req.x + static_cast<std::size_t>(req.num_tokens) * d,
+                h + static_cast<std::size_t>(row0[i]) * d);
+      tokens.insert(tokens.end(), req.tokens, req.tokens + req.num_tokens);
+    }
     std::vector<float> cos_t, sin_t;
-    detail::rope_tables(c_, req.tokens, t, cos_t, sin_t);
+    detail::rope_tables(c_, tokens.data(), t, cos_t, sin_t);
     // Fork only when a layer's products are big enough (prefill); a decode step's are a few MFLOP.
     const long layer_flops = 2L * t * d * (hq * dh + 2 * hkv * dh + hq * dh + 3 * inter);
     const bool par = layer_flops >= kMinParallelFlops;
+    RunObserver* const range_obs = ranges ? batch.front().observer : nullptr;
     for (int l = 0; l < c_.num_layers; ++l) {
       const LayerWeights& lw = w_->layers[static_cast<std::size_t>(l)];
       const std::string layer_name = detail::layer_range_name(l);
-      ScopedRange layer_range(obs, layer_name.c_str());
+      ScopedRange layer_range(range_obs, layer_name.c_str());
       {
         const std::string name = detail::layer_range_name(l, "attention");
-        ScopedRange attention_range(obs, name.c_str());
+        ScopedRange attention_range(range_obs, name.c_str());
         const Linear qkv[] = {{a, lw.wq.data(), hq * dh, d, q},
                               {a, lw.wk.data(), hkv * dh, d, k},
                               {a, lw.wv.data(), hkv * dh, d, v}};
@@ -356,28 +377,37 @@ class CpuBackend final : public DecoderBackend {
           rope_rows(q, t, hq, dh, cos_t.data(), sin_t.data());
           rope_rows(k, t, hkv, dh, cos_t.data(), sin_t.data());
         }
-        if (obs) {
-          const TensorRef qr = head_major_view(q, hq, t, dh), kr = head_major_view(k, hkv, t, dh);
-          const TensorRef vr = head_major_view(v, hkv, t, dh);
-          if (req.decode_step < 0) {
-            obs->on_prefill_layer(l, qr, kr, vr);
-          } else {
-            obs->on_decode_layer(l, req.decode_step, qr, kr, vr);
+        for (std::size_t i = 0; i < n; ++i) {
+          const ForwardRequest& req = batch[i].request;
+          const int ti = req.num_tokens;
+          const std::size_t r0 = static_cast<std::size_t>(row0[i]);
+          float* qi = q + r0 * hq * dh;
+          const float* ki = k + r0 * hkv * dh;
+          const float* vi = v + r0 * hkv * dh;
+          if (RunObserver* obs = batch[i].observer) {
+            const TensorRef qr = head_major_view(qi, hq, ti, dh), kr = head_major_view(ki, hkv, ti, dh);
+            const TensorRef vr = head_major_view(vi, hkv, ti, dh);
+            if (req.decode_step < 0) {
+              obs->on_prefill_layer(l, qr, kr, vr);
+            } else {
+              obs->on_decode_layer(l, req.decode_step, qr, kr, vr);
+            }
           }
+          KvCache& cache = *batch[i].cache;
+          for (int g = 0; g < hkv; ++g) {
+            const std::size_t off = static_cast<std::size_t>(g) * dh,
+                              stride = static_cast<std::size_t>(hkv) * dh;
+            cache.head(l, g).append_rows(ki + off, vi + off, stride, req.tokens, ti);
+          }
+          attend(cache, l, qi, ti, attn + r0 * hq * dh);
         }
-        for (int g = 0; g < hkv; ++g) {
-          const std::size_t off = static_cast<std::size_t>(g) * dh,
-                            stride = static_cast<std::size_t>(hkv) * dh;
-          cache.head(l, g).append_rows(k + off, v + off, stride, req.tokens, t);
-        }
-        attend(cache, l, q, t, attn);
         const Linear o[] = {{attn, lw.wo.data(), d, hq * dh, h, 1.0f}};  // h += attn Wo^T
 #pragma omp parallel if (par)
         linear_tiles(o, t);
       }
       {
         const std::string name = detail::layer_range_name(l, "mlp");
-        ScopedRange mlp_range(obs, name.c_str());
+        ScopedRange mlp_range(range_obs, name.c_str());
         const Linear gate_up[] = {{a, lw.w_gate.data(), inter, d, gate}, {a, lw.w_up.data(), inter, d, up}};
         const Linear down[] = {{gate, lw.w_down.data(), d, inter, h, 1.0f}};  // h += silu(g)*u Wd^T
 #pragma omp parallel if (par)
@@ -394,19 +424,35 @@ class CpuBackend final : public DecoderBackend {
         }
       }
     }
-    const int rows = req.all_logits ? t : 1;
-    const float* last = h + static_cast<std::size_t>(t - rows) * d;
-    logits.resize(static_cast<std::size_t>(rows) * c_.vocab_size);
-    const Linear head[] = {{a, w_->output().data(), c_.vocab_size, d, logits.data()}};
+    // The output head over each request's last row (every row with all_logits), gathered contiguously.
+    std::vector<int> out0(n + 1, 0);
+    for (std::size_t i = 0; i < n; ++i)
+      out0[i + 1] = out0[i] + (batch[i].request.all_logits ? batch[i].request.num_tokens : 1);
+    const int rows = out0[n];
+    const std::size_t V = static_cast<std::size_t>(c_.vocab_size);
+    grow(last_, static_cast<std::size_t>(rows) * d);
+    for (std::size_t i = 0; i < n; ++i) {
+      const int ri = out0[i + 1] - out0[i];
+      const float* src = h + static_cast<std::size_t>(row0[i + 1] - ri) * d;
+      std::copy(src, src + static_cast<std::size_t>(ri) * d, last_.data() + static_cast<std::size_t>(out0[i]) * d);
+    }
+    std::vector<float>& out = n == 1 ? *batch.front().logits : head_out_;
+    out.resize(static_cast<std::size_t>(rows) * V);
+    const Linear head[] = {{a, w_->output().data(), c_.vocab_size, d, out.data()}};
     const bool par_head = 2L * rows * d * c_.vocab_size >= kMinParallelFlops;
 #pragma omp parallel if (par_head)
     {
-      rms_norm_rows(last, w_->final_norm.data(), rows, d, c_.rms_norm_eps, a);
+      rms_norm_rows(last_.data(), w_->final_norm.data(), rows, d, c_.rms_norm_eps, a);
       linear_tiles(head, rows);
+    }
+    if (n == 1) return;
+    for (std::size_t i = 0; i < n; ++i) {
+      std::vector<float>& li = *batch[i].logits;
+      li.assign(out.begin() + static_cast<std::ptrdiff_t>(out0[i] * V),
+                out.begin() + static_cast<std::ptrdiff_t>(out0[i + 1] * V));
     }
   }
 
- private:
   // attn [T, Hq*Dh]: query i of the new tokens attends to slots 0 .. size-T+i of its KV head, with bias.
   // Tiles: (query head, block of kQueryBlock queries); a tile reads only the slots its last query sees.
   // A prefill (t >= kQueryBlock) computes QK^T and PV with the micro-kernels above, over each head's keys
@@ -507,6 +553,7 @@ class CpuBackend final : public DecoderBackend {
   ModelConfig c_;
   std::shared_ptr<const ModelWeights> w_;
   std::vector<float> h_, a_, q_, k_, v_, attn_, gate_, up_;
+  std::vector<float> last_, head_out_;       // the output head's input rows and, for a batch, its logits
   std::vector<std::vector<float>> scratch_;  // [thread] one attention tile's scores, output and statistics
   std::vector<float> kt_;                    // [kv head] a layer's keys as panels (pack_keys), prefill only
 };

@@ -32,6 +32,26 @@ void HeadCache::append_rows(const float* keys, const float* values, std::size_t 
   ++version_;
 }
 
+namespace {
+template <typename T>
+void fit_vector(std::vector<T>& v, std::size_t capacity) {
+  if (v.capacity() == capacity) return;
+  std::vector<T> out;
+  out.reserve(capacity);
+  out.assign(v.begin(), v.end());
+  v.swap(out);
+}
+}  // namespace
+
+void HeadCache::fit(int extra) {
+  const std::size_t slots = info_.size() + static_cast<std::size_t>(std::max(0, extra));
+  const std::size_t dh = static_cast<std::size_t>(head_dim_);
+  fit_vector(keys_, slots * dh);
+  fit_vector(values_, slots * dh);
+  fit_vector(bias_, slots);
+  fit_vector(info_, slots);
+}
+
 void HeadCache::keep(const std::vector<bool>& mask) {
   if (mask.size() != info_.size()) {
     throw std::invalid_argument("HeadCache::keep: mask has " + std::to_string(mask.size()) + " entries for " +
@@ -95,6 +115,10 @@ std::int64_t KvCache::total_slots() const {
   std::int64_t n = 0;
   for (const auto& h : heads_) n += h.size();
   return n;
+}
+
+void KvCache::fit(int extra) {
+  for (auto& h : heads_) h.fit(extra);
 }
 
 }  // namespace kvscope::runner

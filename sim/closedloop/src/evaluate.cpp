@@ -6,6 +6,7 @@
 #include <cmath>
 #include <fstream>
 #include <limits>
+#include <memory>
 #include <nlohmann/json.hpp>
 
 #include "kvscope/closedloop/tasks.hpp"
@@ -52,6 +53,59 @@ std::vector<HeldoutSample> load_heldout(const std::string& model_dir) {
 
 namespace {
 
+// A token fed after the prompt at decode step `step`: text, in the last segment.
+runner::TokenInfo decode_token(const runner::Prompt& prompt, std::int32_t id, int step) {
+  runner::TokenInfo tok;
+  tok.token_id = id;
+  tok.position = tok.index = prompt.size() + step;
+  tok.modality = 0;
+  tok.segment = static_cast<int>(prompt.images.size());
+  return tok;
+}
+
+// Throws EvalError when the tokens fed after the prefill do not fit the model.
+void check_after_prefill(const runner::ModelConfig& cfg, const runner::Prompt& prompt,
+                         const std::vector<std::int32_t>& after) {
+  if (prompt.size() + static_cast<int>(after.size()) > cfg.max_position_embeddings) {
+    throw EvalError("the prompt (" + std::to_string(prompt.size()) + " + " + std::to_string(after.size()) +
+                    " tokens) is longer than the model's " + std::to_string(cfg.max_position_embeddings) +
+                    " positions");
+  }
+  for (const std::int32_t id : after) {
+    if (id < 0 || id >= cfg.vocab_size)
+      throw EvalError("token id " + std::to_string(id) + " fed after the prefill is outside the vocabulary");
+  }
+}
+
+// One generation step of a run at decode step `step`: the next token (forced, else greedy from `logits`) and
+// the logits it was chosen from are appended to `r`. Returns the token to feed next, or -1 when the run ends
+// (<eos>, `limit` tokens, or the model's last position).
+std::int32_t choose_next(const runner::ModelConfig& cfg, const runner::Prompt& prompt, int step,
+                         const std::vector<float>& logits, const std::vector<std::int32_t>* forced, int limit,
+                         RunResult& r) {
+  const auto next = forced ? (*forced)[r.tokens.size()]
+                           : static_cast<std::int32_t>(std::max_element(logits.begin(), logits.end()) -
+                                                       logits.begin());
+  r.logits.push_back(logits);
+  r.tokens.push_back(next);
+  if (cfg.is_eos(next) || static_cast<int>(r.tokens.size()) == limit) return -1;
+  if (prompt.size() + step >= cfg.max_position_embeddings) return -1;
+  return next;
+}
+
+// The embedding rows of `ids` and their decode tokens from step `step0` on.
+void embed_decode_tokens(runner::Model& model, const runner::Prompt& prompt, const std::int32_t* ids, int n,
+                         int step0, std::vector<runner::TokenInfo>& toks, std::vector<float>& x) {
+  const int d = model.config().hidden_size;
+  toks.resize(static_cast<std::size_t>(n));
+  x.resize(static_cast<std::size_t>(n) * static_cast<std::size_t>(d));
+  for (int i = 0; i < n; ++i) {
+    toks[static_cast<std::size_t>(i)] = decode_token(prompt, ids[i], step0 + i);
+    std::copy_n(model.weights().embed_tokens.data() + static_cast<std::size_t>(ids[i]) * d, d,
+                x.data() + static_cast<std::size_t>(i) * d);
+  }
+}
+
 // The decode loop after prefill (shared by run_sample and run_from_prefill): first the tokens fed after the
 // prefill (`after`, may be null), one decode step each, then greedy or forced generation.
 void decode_loop(runner::Model& model, const runner::Prompt& prompt, runner::KvCache& cache,
@@ -59,73 +113,37 @@ void decode_loop(runner::Model& model, const runner::Prompt& prompt, runner::KvC
                  const std::vector<std::int32_t>* forced, const std::vector<std::int32_t>* after,
                  RunResult& r) {
   const auto& cfg = model.config();
-  const int d = cfg.hidden_size;
-  const int n_images = static_cast<int>(prompt.images.size());
   const int limit = forced ? static_cast<int>(forced->size()) : max_new;
   int step = 0;
-  auto feed = [&](std::int32_t id) {
-    runner::TokenInfo tok;
-    tok.token_id = id;
-    tok.position = tok.index = prompt.size() + step;
-    tok.modality = 0;
-    tok.segment = n_images;
+  std::vector<runner::TokenInfo> toks;
+  std::vector<float> x;
+  // Feeds ids[0 .. n-1] as decode steps step .. step+n-1 in one causal forward.
+  auto feed = [&](const std::int32_t* ids, int n) {
+    embed_decode_tokens(model, prompt, ids, n, step, toks, x);
     runner::ForwardRequest req;
-    req.x = model.weights().embed_tokens.data() + static_cast<std::size_t>(id) * d;
-    req.tokens = &tok;
-    req.num_tokens = 1;
+    req.x = x.data();
+    req.tokens = toks.data();
+    req.num_tokens = n;
     req.decode_step = step;
     model.backend().forward(req, cache, hook, logits);
-    if (hook) hook->after_decode_step(cache, step, tok);
-    ++step;
+    if (hook)
+      for (int i = 0; i < n; ++i) hook->after_decode_step(cache, step + i, toks[static_cast<std::size_t>(i)]);
+    step += n;
   };
   if (after) {
-    if (prompt.size() + static_cast<int>(after->size()) > cfg.max_position_embeddings) {
-      throw EvalError("the prompt (" + std::to_string(prompt.size()) + " + " + std::to_string(after->size()) +
-                      " tokens) is longer than the model's " + std::to_string(cfg.max_position_embeddings) +
-                      " positions");
-    }
-    for (const std::int32_t id : *after) {
-      if (id < 0 || id >= cfg.vocab_size)
-        throw EvalError("token id " + std::to_string(id) +
-                        " fed after the prefill is outside the vocabulary");
-    }
+    check_after_prefill(cfg, prompt, *after);
     if (hook && hook->evicts_during_decode()) {
-      for (const std::int32_t id : *after) feed(id);
+      for (const std::int32_t& id : *after) feed(&id, 1);
     } else if (!after->empty()) {
       // The cache only grows: one causal forward of all the tokens is the same computation as feeding them
       // one at a time (up to float rounding), with the weights read once.
-      const int n = static_cast<int>(after->size());
-      std::vector<runner::TokenInfo> toks(static_cast<std::size_t>(n));
-      std::vector<float> x(static_cast<std::size_t>(n) * static_cast<std::size_t>(d));
-      for (int i = 0; i < n; ++i) {
-        runner::TokenInfo& tok = toks[static_cast<std::size_t>(i)];
-        tok.token_id = (*after)[static_cast<std::size_t>(i)];
-        tok.position = tok.index = prompt.size() + i;
-        tok.modality = 0;
-        tok.segment = n_images;
-        std::copy_n(model.weights().embed_tokens.data() + static_cast<std::size_t>(tok.token_id) * d, d,
-                    x.data() + static_cast<std::size_t>(i) * d);
-      }
-      runner::ForwardRequest req;
-      req.x = x.data();
-      req.tokens = toks.data();
-      req.num_tokens = n;
-      req.decode_step = 0;
-      model.backend().forward(req, cache, hook, logits);
-      if (hook)
-        for (int i = 0; i < n; ++i) hook->after_decode_step(cache, i, toks[static_cast<std::size_t>(i)]);
-      step = n;
+      feed(after->data(), static_cast<int>(after->size()));
     }
   }
   while (static_cast<int>(r.tokens.size()) < limit) {
-    const int next = forced
-                         ? (*forced)[r.tokens.size()]
-                         : static_cast<int>(std::max_element(logits.begin(), logits.end()) - logits.begin());
-    r.logits.push_back(logits);
-    r.tokens.push_back(next);
-    if (cfg.is_eos(next) || static_cast<int>(r.tokens.size()) == limit) break;
-    if (prompt.size() + step >= cfg.max_position_embeddings) break;
-    feed(next);
+    const std::int32_t next = choose_next(cfg, prompt, step, logits, forced, limit, r);
+    if (next < 0) break;
+    feed(&next, 1);
   }
   if (hook) r.held_bytes = hook->held_bytes(cache);
 }
@@ -191,29 +209,37 @@ Prefill run_prefill(runner::Model& model, const runner::Prompt& prompt) {
   return p;
 }
 
+namespace {
+
+// Replays `prefill`'s recorded queries into `hook` (on_prefill_layer with empty k and v) and lets it
+// compress `cache`, a copy of the prefill's cache.
+void compress_from_prefill(const runner::ModelConfig& cfg, const runner::Prompt& prompt, const Prefill& prefill,
+                           ClosedLoopHook& hook, runner::KvCache& cache) {
+  const std::int64_t T = prompt.size(), D = cfg.head_dim;
+  for (int l = 0; l < cfg.num_layers; ++l) {
+    runner::TensorRef q, none;
+    q.data = prefill.q[static_cast<std::size_t>(l)].data();
+    q.shape[0] = cfg.num_q_heads;
+    q.shape[1] = T;
+    q.shape[2] = D;
+    q.stride[0] = T * D;
+    q.stride[1] = D;
+    q.stride[2] = 1;
+    hook.on_prefill_layer(l, q, none, none);
+  }
+  hook.after_prefill(cache, prompt.tokens);
+}
+
+}  // namespace
+
 RunResult run_from_prefill(runner::Model& model, const runner::Prompt& prompt, const Prefill& prefill,
                            ClosedLoopHook* hook, int max_new, const std::vector<std::int32_t>* forced,
                            const std::vector<std::int32_t>* after_prefill) {
   const auto t0 = std::chrono::steady_clock::now();
-  const auto& cfg = model.config();
   RunResult r;
   runner::KvCache cache = prefill.cache;
   std::vector<float> logits = prefill.logits;
-  if (hook) {
-    const std::int64_t T = prompt.size(), D = cfg.head_dim;
-    for (int l = 0; l < cfg.num_layers; ++l) {
-      runner::TensorRef q, none;
-      q.data = prefill.q[static_cast<std::size_t>(l)].data();
-      q.shape[0] = cfg.num_q_heads;
-      q.shape[1] = T;
-      q.shape[2] = D;
-      q.stride[0] = T * D;
-      q.stride[1] = D;
-      q.stride[2] = 1;
-      hook->on_prefill_layer(l, q, none, none);
-    }
-    hook->after_prefill(cache, prompt.tokens);
-  }
+  if (hook) compress_from_prefill(model.config(), prompt, prefill, *hook, cache);
   decode_loop(model, prompt, cache, logits, hook, max_new, forced, after_prefill, r);
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return r;
@@ -437,9 +463,164 @@ PointStats evaluate_point(runner::Model& model, const EvalPoint& point, const st
   return st;
 }
 
+namespace {
+
+// One point's run on one sample in evaluate_shared, decoded in lockstep with the other points' runs.
+struct Lane {
+  std::size_t point = 0;
+  std::unique_ptr<ClosedLoopHook> hook;  // null: the teacher-forced fork of a prefill-mode run
+  runner::KvCache cache{0, 0, 0};
+  std::vector<float> logits;  // what the next token is chosen from
+  RunResult run;
+  const std::vector<std::int32_t>* forced = nullptr;  // teacher forcing on these tokens
+  int step = 0;                                       // decode steps fed
+  std::int32_t next = -1;                             // the token fed in the current lockstep
+  bool done = false;
+  int fork = -1;        // index of its teacher-forced fork
+  double seconds = 0;   // its compression, hook updates and share of the batched forwards
+};
+
+// Tokens fed to one lane in a batched forward, as consecutive decode steps.
+struct Feed {
+  std::size_t lane;
+  const std::int32_t* ids;
+  int n;
+};
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void feed_lanes(runner::Model& model, const runner::Prompt& prompt, std::vector<Lane>& lanes,
+                const std::vector<Feed>& feeds) {
+  if (feeds.empty()) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::vector<runner::TokenInfo>> toks(feeds.size());
+  std::vector<std::vector<float>> x(feeds.size());
+  std::vector<runner::BatchedRequest> batch(feeds.size());
+  for (std::size_t i = 0; i < feeds.size(); ++i) {
+    Lane& lane = lanes[feeds[i].lane];
+    embed_decode_tokens(model, prompt, feeds[i].ids, feeds[i].n, lane.step, toks[i], x[i]);
+    runner::BatchedRequest& b = batch[i];
+    b.request.x = x[i].data();
+    b.request.tokens = toks[i].data();
+    b.request.num_tokens = feeds[i].n;
+    b.request.decode_step = lane.step;
+    b.cache = &lane.cache;
+    b.observer = lane.hook.get();
+    b.logits = &lane.logits;
+  }
+  model.backend().forward_batch(batch);
+  const double share = seconds_since(t0) / static_cast<double>(feeds.size());
+  for (std::size_t i = 0; i < feeds.size(); ++i) {
+    Lane& lane = lanes[feeds[i].lane];
+    const auto t1 = std::chrono::steady_clock::now();
+    if (lane.hook)
+      for (int j = 0; j < feeds[i].n; ++j)
+        lane.hook->after_decode_step(lane.cache, lane.step + j, toks[i][static_cast<std::size_t>(j)]);
+    lane.step += feeds[i].n;
+    lane.seconds += share + seconds_since(t1);
+  }
+}
+
+// The runs of points [k0, k1) on one sample, continued from its prefill and decoded together: every
+// point's compression, then the tokens after the prefill (one causal forward per run whose cache only
+// grows, all runs batched; one step at a time for decode-time policies), then greedy generation in
+// lockstep. A prefill-mode run whose greedy token first differs from the reference's forks there into a
+// teacher-forced run on the reference's tokens (the same cache and logits up to that point: the hook only
+// counts decode steps after compression), so the KL needs no second compression.
+std::vector<Lane> run_lanes(runner::Model& model, const Reference& ref, const Prefill& prefill,
+                            const std::vector<EvalPoint>& points, std::size_t k0, std::size_t k1, int max_new) {
+  const auto& cfg = model.config();
+  const runner::Prompt& prompt = ref.prompt;
+  const std::vector<std::int32_t>& rt = ref.run.tokens;
+  const bool need_forced = rt.size() > (ref.after_prefill.empty() ? 1u : 0u);
+  std::vector<Lane> lanes;
+  lanes.reserve(2 * (k1 - k0));  // forks are appended: indices, not references, across the loop
+  for (std::size_t k = k0; k < k1; ++k) {
+    const auto t0 = std::chrono::steady_clock::now();
+    Lane lane;
+    lane.point = k;
+    lane.hook = std::make_unique<ClosedLoopHook>(points[k].spec, points[k].budget_spec, cfg);
+    lane.cache = prefill.cache;
+    lane.logits = prefill.logits;
+    compress_from_prefill(cfg, prompt, prefill, *lane.hook, lane.cache);
+    lane.cache.fit(static_cast<int>(ref.after_prefill.size()) + max_new);  // free the evicted slots' memory
+    lane.seconds = seconds_since(t0);
+    lanes.push_back(std::move(lane));
+  }
+  const std::vector<std::int32_t>& after = ref.after_prefill;
+  if (!after.empty()) {
+    check_after_prefill(cfg, prompt, after);
+    const int n = static_cast<int>(after.size());
+    std::vector<Feed> whole;
+    for (std::size_t i = 0; i < lanes.size(); ++i)
+      if (!lanes[i].hook->evicts_during_decode()) whole.push_back({i, after.data(), n});
+    feed_lanes(model, prompt, lanes, whole);
+    if (whole.size() < lanes.size()) {
+      for (int j = 0; j < n; ++j) {
+        std::vector<Feed> one;
+        for (std::size_t i = 0; i < lanes.size(); ++i)
+          if (lanes[i].hook->evicts_during_decode()) one.push_back({i, &after[static_cast<std::size_t>(j)], 1});
+        feed_lanes(model, prompt, lanes, one);
+      }
+    }
+  }
+  for (;;) {
+    const std::size_t runs = lanes.size();
+    for (std::size_t i = 0; i < runs; ++i) {
+      const Lane& lane = lanes[i];
+      if (lane.done || lane.forced || lane.fork >= 0 || !need_forced || lane.hook->evicts_during_decode())
+        continue;
+      const std::size_t j = lane.run.tokens.size();
+      const auto greedy = static_cast<std::int32_t>(
+          std::max_element(lane.logits.begin(), lane.logits.end()) - lane.logits.begin());
+      if (j >= rt.size() || greedy == rt[j]) continue;
+      Lane f;
+      f.point = lane.point;
+      f.cache = lane.cache;
+      f.cache.fit(static_cast<int>(rt.size() - j));
+      f.logits = lane.logits;
+      f.run = lane.run;
+      f.forced = &rt;
+      f.step = lane.step;
+      lanes.push_back(std::move(f));
+      lanes[i].fork = static_cast<int>(lanes.size() - 1);
+    }
+    std::vector<Feed> feeds;
+    for (std::size_t i = 0; i < lanes.size(); ++i) {
+      Lane& lane = lanes[i];
+      const int limit = lane.forced ? static_cast<int>(rt.size()) : max_new;
+      if (lane.done) continue;
+      lane.next = static_cast<int>(lane.run.tokens.size()) < limit
+                      ? choose_next(cfg, prompt, lane.step, lane.logits, lane.forced, limit, lane.run)
+                      : -1;
+      if (lane.next < 0) {
+        lane.done = true;
+      } else {
+        feeds.push_back({i, &lane.next, 1});
+      }
+    }
+    if (feeds.empty()) break;
+    feed_lanes(model, prompt, lanes, feeds);
+  }
+  for (Lane& lane : lanes)
+    if (lane.hook) lane.run.held_bytes = lane.hook->held_bytes(lane.cache);
+  return lanes;
+}
+
+// Points decoded together by default: as many as 4 GiB hold of uncompressed caches of the prompt (each run
+// holds at most one, and its teacher-forced fork another).
+std::size_t default_batch(const runner::KvCache& cache) {
+  const std::int64_t bytes = std::max<std::int64_t>(1, cache.total_slots() * cache.head_dim() * 2 * 4);
+  return static_cast<std::size_t>(std::max<std::int64_t>(1, (std::int64_t{4} << 30) / (2 * bytes)));
+}
+
+}  // namespace
+
 std::vector<PointStats> evaluate_shared(runner::Model& model, const std::vector<EvalPoint>& points,
                                         std::vector<Reference>& refs, int max_new,
-                                        const std::function<void(std::size_t)>& progress) {
+                                        const std::function<void(std::size_t)>& progress, int max_batch) {
   std::vector<PointStats> stats;
   for (const auto& p : points) stats.push_back(start_point(p));
   std::vector<Sums> sums(points.size());
@@ -450,22 +631,29 @@ std::vector<PointStats> evaluate_shared(runner::Model& model, const std::vector<
     ref.run = run_from_prefill(model, ref.prompt, prefill, nullptr, max_new, nullptr, &ref.after_prefill);
     ref.run.seconds += prefill.seconds;
     if (progress) progress(++done);
-    for (std::size_t k = 0; k < points.size(); ++k) {
-      const EvalPoint& point = points[k];
-      const auto t0 = std::chrono::steady_clock::now();
-      ClosedLoopHook hook(point.spec, point.budget_spec, cfg);
-      const RunResult run =
-          run_from_prefill(model, ref.prompt, prefill, &hook, max_new, nullptr, &ref.after_prefill);
-      add_sample(
-          model, ref, hook, run,
-          [&] {
-            ClosedLoopHook fhook(point.spec, point.budget_spec, cfg);
-            return run_from_prefill(model, ref.prompt, prefill, &fhook, max_new, &ref.run.tokens,
-                                    &ref.after_prefill);
-          },
-          stats[k], sums[k]);
-      stats[k].seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      if (progress) progress(++done);
+    const std::size_t batch =
+        max_batch > 0 ? static_cast<std::size_t>(max_batch) : default_batch(prefill.cache);
+    for (std::size_t k0 = 0; k0 < points.size(); k0 += batch) {
+      const std::size_t k1 = std::min(points.size(), k0 + batch);
+      std::vector<Lane> lanes = run_lanes(model, ref, prefill, points, k0, k1, max_new);
+      for (std::size_t i = 0; i < k1 - k0; ++i) {
+        Lane& lane = lanes[i];
+        const EvalPoint& point = points[lane.point];
+        const auto t0 = std::chrono::steady_clock::now();
+        add_sample(
+            model, ref, *lane.hook, lane.run,
+            [&] {
+              if (lane.fork >= 0) return std::move(lanes[static_cast<std::size_t>(lane.fork)].run);
+              // Decode-time policies: the hook evicts during decoding, so the forced run compresses anew.
+              ClosedLoopHook fhook(point.spec, point.budget_spec, cfg);
+              return run_from_prefill(model, ref.prompt, prefill, &fhook, max_new, &ref.run.tokens,
+                                      &ref.after_prefill);
+            },
+            stats[lane.point], sums[lane.point]);
+        stats[lane.point].seconds += lane.seconds + seconds_since(t0) +
+                                     (lane.fork >= 0 ? lanes[static_cast<std::size_t>(lane.fork)].seconds : 0);
+        if (progress) progress(++done);
+      }
     }
   }
   for (std::size_t k = 0; k < points.size(); ++k) {

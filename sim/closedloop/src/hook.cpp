@@ -149,7 +149,7 @@ void ClosedLoopHook::after_prefill(runner::KvCache& cache, const std::vector<run
     }
     sim::CompressedLayerResult r =
         compressor_->compress_layer(l, prefill_q_[static_cast<std::size_t>(l)], k, v);
-    prefill_q_[static_cast<std::size_t>(l)].clear();
+    std::vector<float>().swap(prefill_q_[static_cast<std::size_t>(l)]);  // release: many hooks live at once
     // Write the compressed slots back, in context order (slot order does not change attention).
     for (int h = 0; h < H; ++h) {
       const auto& ch = r.cache.heads[static_cast<std::size_t>(r.cache.cluster[static_cast<std::size_t>(h)])];

@@ -22,6 +22,14 @@ struct ForwardRequest {
   bool all_logits = false;            // logits of every new token, else only of the last
 };
 
+// One request of a batched forward: its own cache, observer (may be null) and logits.
+struct BatchedRequest {
+  ForwardRequest request;
+  KvCache* cache = nullptr;
+  RunObserver* observer = nullptr;
+  std::vector<float>* logits = nullptr;
+};
+
 class DecoderBackend {
  public:
   virtual ~DecoderBackend() = default;
@@ -30,6 +38,14 @@ class DecoderBackend {
   // logits [all_logits ? T : 1, V] into `logits`.
   virtual void forward(const ForwardRequest& request, KvCache& cache, RunObserver* observer,
                        std::vector<float>& logits) = 0;
+  // Independent requests, each over its own cache, as one forward: the CPU backend runs the projections,
+  // the MLP and the output head of all their tokens as one matrix (the weights read once for the batch)
+  // and attention per request. Each request's result equals its own forward() up to float rounding (the
+  // BLAS may sum a product with more rows in another order). Observers get their request's tensors but no
+  // ranges. This default runs forward() per request.
+  virtual void forward_batch(const std::vector<BatchedRequest>& batch) {
+    for (const BatchedRequest& b : batch) forward(b.request, *b.cache, b.observer, *b.logits);
+  }
   virtual std::string device_name() const = 0;
 };
 

@@ -54,6 +54,9 @@ class HeadCache {
   void set_slot(int s, const float* key, const float* value, float bias, std::int32_t multiplicity);
   float* mutable_key(int s);
   float* mutable_value(int s);
+  // Holds exactly size() + extra slots of memory (frees what an eviction left; appending `extra` more slots
+  // then reallocates nothing).
+  void fit(int extra);
 
   std::uint64_t version() const { return version_; }
 
@@ -74,6 +77,8 @@ class KvCache {
   const HeadCache& head(int layer, int kv_head) const;
   // Total slots over all layers and heads (for byte accounting: x head_dim x 2 x element bytes).
   std::int64_t total_slots() const;
+  // HeadCache::fit(extra) on every head.
+  void fit(int extra);
 
  private:
   int num_layers_, num_kv_heads_, head_dim_;

@@ -157,11 +157,16 @@ PointStats evaluate_point(runner::Model& model, const EvalPoint& point, const st
                           int max_new, const std::function<void(int)>& progress = {});
 
 // Sample-outer evaluation: per sample ONE uncompressed prefill (run_prefill), from which the reference run
-// (filling refs[i].run) and every point's runs continue. Results equal evaluate_point's per point (tested)
-// except `seconds`, which counts each point's continuations only. `progress(done)` is called after each run
-// (points.size() + 1 per sample).
+// (filling refs[i].run) and every point's runs continue, up to `max_batch` points at a time (0: as many as
+// 4 GiB of uncompressed caches of the prompt hold) decoded together: each run compressed by its own hook,
+// then every run's forward of a step batched into one (DecoderBackend::forward_batch), and a run that first
+// differs from the reference forked there into its teacher-forced run (prefill-mode policies; decode-time
+// policies run it anew). Results equal evaluate_point's per point up to the float rounding of the batched
+// products (tested), except `seconds`: each point's compression, its hook's work and its share of the
+// batched forwards. `progress(done)` is called after each run (points.size() + 1 per sample).
 std::vector<PointStats> evaluate_shared(runner::Model& model, const std::vector<EvalPoint>& points,
                                         std::vector<Reference>& refs, int max_new,
-                                        const std::function<void(std::size_t)>& progress = {});
+                                        const std::function<void(std::size_t)>& progress = {},
+                                        int max_batch = 0);
 
 }  // namespace kvscope::closedloop
