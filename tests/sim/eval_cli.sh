@@ -46,6 +46,20 @@ with h5py.File(sys.argv[2], "r") as f:
     assert g.attrs["samples"] == 6
 PY
 
+# --- one run at a time (--max-batch 1) gives the batched run's answers and bytes, the KL up to rounding.
+if "$kvcap" eval --model "$model" --policies h2o,int8,streamingllm,h2o~decode --budgets 0.25,0.5 \
+     --samples 6 -q --max-batch 1 --csv "$dir/one.csv" >/dev/null 2>"$dir/one.err"; then ok "run --max-batch 1"
+else bad "run --max-batch 1: $(cat "$dir/one.err")"; fi
+"$python" - "$dir/r.csv" "$dir/one.csv" <<'PY' && ok "--max-batch 1 equals the batched run" || bad "--max-batch 1 differs"
+import sys
+import numpy as np
+import pandas as pd
+a, b = (pd.read_csv(p, keep_default_na=False) for p in sys.argv[1:3])
+for c in ["policy", "budget", "accuracy", "agreement", "bytes_end", "bytes_peak", "bytes_match"]:
+    assert (a[c] == b[c]).all(), c
+assert np.allclose(a.kl, b.kl, rtol=1e-3, atol=1e-4), (a.kl.values, b.kl.values)
+PY
+
 # --- the shipped heldout.json is what export_samples writes (reproducible, commit-ready).
 mkdir -p "$dir/export" && cp "$model/vocab.json" "$dir/export/"
 count=$("$python" -c "import json,sys; print(json.load(open(sys.argv[1]))['count'])" "$model/heldout.json")
@@ -73,4 +87,7 @@ expect_bad decode_stage "decode" --model "$model" --policies "unicache~decode" -
 expect_bad bad_budget "budget" --model "$model" --policies h2o --budgets 0.5x --samples 2
 expect_bad no_policies "missing --policies" --model "$model"
 expect_bad zero_samples "--samples must be" --model "$model" --policies h2o --samples 0
+expect_bad bad_batch "--max-batch must be" --model "$model" --policies h2o --samples 2 --max-batch -1
+expect_bad batch_per_point "--max-batch needs" --model "$model" --policies h2o --samples 2 --max-batch 2 \
+  --per-point-prefill
 exit $fail

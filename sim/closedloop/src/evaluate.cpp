@@ -523,21 +523,22 @@ void feed_lanes(runner::Model& model, const runner::Prompt& prompt, std::vector<
   }
 }
 
-// The runs of points [k0, k1) on one sample, continued from its prefill and decoded together: every
+// The runs of the points `group` on one sample, continued from its prefill and decoded together: every
 // point's compression, then the tokens after the prefill (one causal forward per run whose cache only
 // grows, all runs batched; one step at a time for decode-time policies), then greedy generation in
 // lockstep. A prefill-mode run whose greedy token first differs from the reference's forks there into a
 // teacher-forced run on the reference's tokens (the same cache and logits up to that point: the hook only
 // counts decode steps after compression), so the KL needs no second compression.
 std::vector<Lane> run_lanes(runner::Model& model, const Reference& ref, const Prefill& prefill,
-                            const std::vector<EvalPoint>& points, std::size_t k0, std::size_t k1, int max_new) {
+                            const std::vector<EvalPoint>& points, const std::vector<std::size_t>& group,
+                            int max_new) {
   const auto& cfg = model.config();
   const runner::Prompt& prompt = ref.prompt;
   const std::vector<std::int32_t>& rt = ref.run.tokens;
   const bool need_forced = rt.size() > (ref.after_prefill.empty() ? 1u : 0u);
   std::vector<Lane> lanes;
-  lanes.reserve(2 * (k1 - k0));  // forks are appended: indices, not references, across the loop
-  for (std::size_t k = k0; k < k1; ++k) {
+  lanes.reserve(2 * group.size());  // forks are appended: indices, not references, across the loop
+  for (const std::size_t k : group) {
     const auto t0 = std::chrono::steady_clock::now();
     Lane lane;
     lane.point = k;
@@ -631,12 +632,23 @@ std::vector<PointStats> evaluate_shared(runner::Model& model, const std::vector<
     ref.run = run_from_prefill(model, ref.prompt, prefill, nullptr, max_new, nullptr, &ref.after_prefill);
     ref.run.seconds += prefill.seconds;
     if (progress) progress(++done);
+    // `full` runs on its own, so that it reproduces the uncompressed run bit for bit (the same forwards);
+    // the other points in groups of `batch`.
     const std::size_t batch =
         max_batch > 0 ? static_cast<std::size_t>(max_batch) : default_batch(prefill.cache);
-    for (std::size_t k0 = 0; k0 < points.size(); k0 += batch) {
-      const std::size_t k1 = std::min(points.size(), k0 + batch);
-      std::vector<Lane> lanes = run_lanes(model, ref, prefill, points, k0, k1, max_new);
-      for (std::size_t i = 0; i < k1 - k0; ++i) {
+    std::vector<std::vector<std::size_t>> groups;
+    for (std::size_t k = 0; k < points.size(); ++k) {
+      if (points[k].spec.name == "full") {
+        groups.push_back({k});
+      } else {
+        if (groups.empty() || groups.back().size() >= batch || points[groups.back().front()].spec.name == "full")
+          groups.emplace_back();
+        groups.back().push_back(k);
+      }
+    }
+    for (const std::vector<std::size_t>& group : groups) {
+      std::vector<Lane> lanes = run_lanes(model, ref, prefill, points, group, max_new);
+      for (std::size_t i = 0; i < group.size(); ++i) {
         Lane& lane = lanes[i];
         const EvalPoint& point = points[lane.point];
         const auto t0 = std::chrono::steady_clock::now();
