@@ -205,7 +205,7 @@ po::options_description make_options() {
       "directory -o DIR (docs/datasets.md)")(
       "first", po::value<int>()->default_value(0),
       "with --samples: index of the first sample (samples F .. F+N-1; ids s%05d of the index)")(
-      "quiet,q", "with --samples: no progress bar")(
+      "quiet,q", "no progress bar (with --samples; one capture shows none)")(
       "prompt", po::value<std::string>(), "text model: the prompt text")(
       "prompt-file", po::value<std::string>(), "text model: read the prompt text from this file (UTF-8)")(
       "chat", po::bool_switch(), "text model: render the prompt as a user message through the chat template")(
@@ -464,8 +464,6 @@ int run_command(const std::vector<std::string>& args) {
       return fail("--samples must be in 1..100000, got " + std::to_string(num_samples));
     if (vm.count("sample") && !vm["sample"].defaulted())
       return fail("--sample captures one trace; --samples N captures samples 0..N-1");
-  } else if (vm.count("quiet")) {
-    return fail("--quiet is for --samples (one capture shows no progress bar)");
   }
   const int max_new = vm.count("max-new") ? vm["max-new"].as<int>() : (text_model ? 64 : 16);
   if (max_new < 1 || max_new > 1024)
