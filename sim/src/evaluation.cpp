@@ -54,13 +54,20 @@ void add_rows(const float* err, const float* rec, const float* kl, const float* 
   }
 }
 
-// Share of kv head h's answer top-k tokens that survive in a cache (token_to_slot >= 0).
-double topk_survival(LayerData& L, int h, const std::int32_t* token_to_slot) {
-  const std::vector<std::int32_t>& top = L.answer_topk().tokens[static_cast<std::size_t>(h)];
+// Share of `top` (tokens) that survive in a cache (token_to_slot >= 0); 1 when empty.
+double survival(const std::vector<std::int32_t>& top, const std::int32_t* token_to_slot) {
   if (top.empty()) return 1.0;
   int alive = 0;
   for (const std::int32_t t : top) alive += token_to_slot[t] >= 0 ? 1 : 0;
   return static_cast<double>(alive) / static_cast<double>(top.size());
+}
+
+// Adds `weight` x the survival of kv head h's answer top-k and specific top-k tokens to the proxies.
+void add_topk_survival(LayerData& L, int h, const std::int32_t* token_to_slot, double weight, Quality& q) {
+  const LayerData::AnswerTopK& top = L.answer_topk();
+  q.proxies.topk_recall += weight * survival(top.tokens[static_cast<std::size_t>(h)], token_to_slot);
+  q.proxies.specific_recall += weight * survival(top.specific[static_cast<std::size_t>(h)], token_to_slot);
+  q.proxies.topk_mass = top.mass[static_cast<std::size_t>(h)];
 }
 
 }  // namespace
@@ -75,11 +82,15 @@ void add_step_rows(LayerData& L, const TraceContext& ctx, int h, int s, const fl
 void add_topk_recall(LayerData& L, const TraceContext& ctx, int h, const std::vector<std::int32_t>& kept,
                      Quality& q) {
   if (ctx.query_set_steps(kAnswerQueries) <= 0) return;
-  const std::vector<std::int32_t>& top = L.answer_topk().tokens[static_cast<std::size_t>(h)];
-  int alive = 0;
-  for (const std::int32_t t : top) alive += std::binary_search(kept.begin(), kept.end(), t) ? 1 : 0;
-  q.proxies.topk_recall += top.empty() ? 1.0 : static_cast<double>(alive) / static_cast<double>(top.size());
-  q.proxies.topk_mass = L.answer_topk().mass[static_cast<std::size_t>(h)];
+  auto kept_share = [&](const std::vector<std::int32_t>& top) {
+    int alive = 0;
+    for (const std::int32_t t : top) alive += std::binary_search(kept.begin(), kept.end(), t) ? 1 : 0;
+    return top.empty() ? 1.0 : static_cast<double>(alive) / static_cast<double>(top.size());
+  };
+  const LayerData::AnswerTopK& top = L.answer_topk();
+  q.proxies.topk_recall += kept_share(top.tokens[static_cast<std::size_t>(h)]);
+  q.proxies.specific_recall += kept_share(top.specific[static_cast<std::size_t>(h)]);
+  q.proxies.topk_mass = top.mass[static_cast<std::size_t>(h)];
 }
 
 void add_step_quality(LayerData& L, TraceContext& ctx, int h, int s, const StepCache& c, bool proportional,
@@ -111,10 +122,8 @@ void add_step_quality(LayerData& L, TraceContext& ctx, int h, int s, const StepC
   if (!st.ok()) throw std::runtime_error("evaluate (step " + std::to_string(s) + "): " + st.message());
   add_rows(err.data(), rec.data(), kl.data(), dent.data(), recm.data(), mfull.data(), mcomp.data(),
            L.full_step(h, s).entropy, G, ctx.S, s, ctx, q);
-  if (ctx.in_query_set(kAnswerQueries, s)) {
-    q.proxies.topk_recall += topk_survival(L, h, c.token_to_slot) / ctx.query_set_steps(kAnswerQueries);
-    q.proxies.topk_mass = L.answer_topk().mass[static_cast<std::size_t>(h)];
-  }
+  if (ctx.in_query_set(kAnswerQueries, s))
+    add_topk_survival(L, h, c.token_to_slot, 1.0 / ctx.query_set_steps(kAnswerQueries), q);
 }
 
 void add_prefill_quality(LayerData& L, TraceContext& ctx, int h, const PrefillCache& c, bool proportional,
@@ -150,10 +159,7 @@ void add_prefill_quality(LayerData& L, TraceContext& ctx, int h, const PrefillCa
              &r.mass_full[om], &r.mass_compressed[om], L.full_step(h, s).entropy, G, S, s, ctx, q);
   }
   // The context slots are the same at every step: the top-k survival is that of any answer step.
-  if (ctx.query_set_steps(kAnswerQueries) > 0) {
-    q.proxies.topk_recall += topk_survival(L, h, c.token_to_slot);
-    q.proxies.topk_mass = L.answer_topk().mass[static_cast<std::size_t>(h)];
-  }
+  if (ctx.query_set_steps(kAnswerQueries) > 0) add_topk_survival(L, h, c.token_to_slot, 1.0, q);
 }
 
 }  // namespace kvscope::sim

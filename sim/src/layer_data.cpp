@@ -200,6 +200,8 @@ void LayerData::require_prefill(const char* what) const {
 
 void LayerData::release_prefill() {
   if (prefill_released_) return;
+  // The answer's specific top-k (answer_topk) reads the context's own attention, a prefill statistic.
+  if (ctx_.query_set_steps(kAnswerQueries) > 0) h2o();
   // The float32 copy cannot be built after this, so it is built here, one tensor at a time and
   // each trace tensor dropped as soon as nothing reads it any more: the queries first (only the
   // statistics read them), then K once converted, then V. The float16 layer and the float32
@@ -625,6 +627,10 @@ const LayerData::AnswerTopK& LayerData::answer_topk() {
   const int k = std::min(kTopK, T);
   answer_topk_.tokens.assign(static_cast<std::size_t>(H), {});
   answer_topk_.mass.assign(static_cast<std::size_t>(H), 0.0);
+  answer_topk_.specific.assign(static_cast<std::size_t>(H), {});
+  // The context's own attention on each token (only when there is an answer to compare it with).
+  const std::vector<float>* context = steps > 0 ? &h2o() : nullptr;  // [Hkv, T]
+  std::vector<double> sigma(static_cast<std::size_t>(T));
   std::vector<double> a(static_cast<std::size_t>(T));
   std::vector<std::int32_t> order(static_cast<std::size_t>(T));
   for (int h = 0; h < H; ++h) {
@@ -638,13 +644,27 @@ const LayerData::AnswerTopK& LayerData::answer_topk() {
         for (int t = 0; t < T; ++t) a[static_cast<std::size_t>(t)] += pr[t];
       }
     }
-    std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](std::int32_t x, std::int32_t y) {
-      const double ax = a[static_cast<std::size_t>(x)], ay = a[static_cast<std::size_t>(y)];
-      return ax != ay ? ax > ay : x < y;
-    });
-    std::vector<std::int32_t> top(order.begin(), order.begin() + k);
-    std::sort(top.begin(), top.end());
+    // The k tokens of largest v (ties -> lower index), ascending.
+    auto top_k = [&](const std::vector<double>& v) {
+      std::iota(order.begin(), order.end(), 0);
+      std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](std::int32_t x, std::int32_t y) {
+        const double vx = v[static_cast<std::size_t>(x)], vy = v[static_cast<std::size_t>(y)];
+        return vx != vy ? vx > vy : x < y;
+      });
+      std::vector<std::int32_t> out(order.begin(), order.begin() + k);
+      std::sort(out.begin(), out.end());
+      return out;
+    };
+    std::vector<std::int32_t> top = top_k(a);
+    if (context) {
+      const float* c = context->data() + static_cast<std::size_t>(h) * static_cast<std::size_t>(T);
+      for (int t = 0; t < T; ++t) {
+        sigma[static_cast<std::size_t>(t)] =
+            a[static_cast<std::size_t>(t)] / (static_cast<double>(G) * steps) -
+            static_cast<double>(c[t]) / (static_cast<double>(G) * (T - t));
+      }
+      answer_topk_.specific[static_cast<std::size_t>(h)] = top_k(sigma);
+    }
     double mass = 0;
     for (std::int32_t t : top) mass += a[static_cast<std::size_t>(t)];
     answer_topk_.mass[static_cast<std::size_t>(h)] =

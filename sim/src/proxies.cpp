@@ -10,14 +10,16 @@ namespace kvscope::sim {
 const char* proxy_name(int i) {
   static const char* const names[kNumProxies] = {
       "error_worst_query", "error_worst_head", "error_retrieval",       "concentration", "error_propagated",
-      "topk_recall",       "topk_recall_min",  "topk_recall_retrieval", "topk_mass"};
+      "topk_recall",       "topk_recall_min",  "topk_recall_retrieval", "topk_mass",     "specific_recall",
+      "specific_recall_min"};
   return i >= 0 && i < kNumProxies ? names[i] : "";
 }
 
 double& proxy_value(Proxies& p, int i) {
   double* const v[kNumProxies] = {&p.error_worst_query, &p.error_worst_head,      &p.error_retrieval,
                                   &p.concentration,     &p.error_propagated,      &p.topk_recall,
-                                  &p.topk_recall_min,   &p.topk_recall_retrieval, &p.topk_mass};
+                                  &p.topk_recall_min,   &p.topk_recall_retrieval, &p.topk_mass,
+                                  &p.specific_recall,   &p.specific_recall_min};
   return *v[i >= 0 && i < kNumProxies ? i : 0];
 }
 
@@ -46,12 +48,14 @@ void finish_proxies(SweepOutput& out) {
     if (pt.layers.empty()) continue;
     Pool err_all, topk_all;
     double worst_query = 0, worst_head = 0, conc = 0, topk = 0, topk_min = 0, mass = 0, propagated = 0;
+    double specific = 0, specific_min = 0;
     for (LayerResult& l : pt.layers) {
       if (l.heads.empty()) continue;
       Pool err_l, topk_l;
       Proxies& t = l.total.quality.proxies;
       t = Proxies{};
       t.topk_recall_min = 1;
+      t.specific_recall_min = 1;
       const double keep_before = 1 - propagated;
       const double n = static_cast<double>(l.heads.size());
       for (HeadResult& h : l.heads) {
@@ -64,6 +68,9 @@ void finish_proxies(SweepOutput& out) {
         x.error_propagated = 1 - keep_before * (1 - std::min(e, 1.0));
         x.topk_recall_min = x.topk_recall;
         x.topk_recall_retrieval = x.topk_recall;
+        x.specific_recall_min = x.specific_recall;
+        t.specific_recall += x.specific_recall / n;
+        t.specific_recall_min = std::min(t.specific_recall_min, x.specific_recall);
         topk_l.add(x.topk_recall, x.topk_mass);
         topk_all.add(x.topk_recall, x.topk_mass);
         t.error_worst_query = std::max(t.error_worst_query, x.error_worst_query);
@@ -85,6 +92,8 @@ void finish_proxies(SweepOutput& out) {
       topk += t.topk_recall / L;
       topk_min += t.topk_recall_min / L;
       mass += t.topk_mass / L;
+      specific += t.specific_recall / L;
+      specific_min += t.specific_recall_min / L;
     }
     Proxies& p = pt.total.quality.proxies;
     p.error_worst_query = worst_query;
@@ -96,8 +105,11 @@ void finish_proxies(SweepOutput& out) {
     p.topk_recall_min = topk_min;
     p.topk_recall_retrieval = topk_all.value(topk);
     p.topk_mass = mass;
+    p.specific_recall = specific;
+    p.specific_recall_min = specific_min;
     if (none) {
-      const Proxies empty{nan, nan, nan, nan, nan, nan, nan, nan, nan};
+      Proxies empty;
+      for (int i = 0; i < kNumProxies; ++i) proxy_value(empty, i) = nan;
       for (LayerResult& l : pt.layers) {
         for (HeadResult& h : l.heads) h.quality.proxies = empty;
         l.total.quality.proxies = empty;

@@ -243,6 +243,8 @@ const std::vector<RankProxy>& rank_proxies() {
       {"error_propagated", false, [](const Quality& q) { return q.proxies.error_propagated; }},
       {"topk_recall", true, [](const Quality& q) { return q.proxies.topk_recall; }},
       {"topk_recall_min", true, [](const Quality& q) { return q.proxies.topk_recall_min; }},
+      {"specific_recall", true, [](const Quality& q) { return q.proxies.specific_recall; }},
+      {"specific_recall_min", true, [](const Quality& q) { return q.proxies.specific_recall_min; }},
       {"topk_recall_retrieval", true, [](const Quality& q) { return q.proxies.topk_recall_retrieval; }},
   };
   return r;

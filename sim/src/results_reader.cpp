@@ -310,7 +310,7 @@ struct Records {
   std::vector<double> proxies[kNumProxies];  // format 1.3; empty before
 
   Records(const Reader& r, const std::string& g, std::vector<hsize_t> lead, bool v11, bool v12 = false,
-          bool v13 = false) {
+          bool v13 = false, bool v15 = false) {
     auto with = [&](hsize_t inner) {
       std::vector<hsize_t> d = lead;
       d.push_back(inner);
@@ -344,7 +344,8 @@ struct Records {
       }
     }
     if (v13) {
-      for (int k = 0; k < kNumProxies; ++k) proxies[k] = r.dataset<double>(g + "/" + proxy_name(k), lead);
+      const int n = v15 ? kNumProxies : kProxiesBefore15;
+      for (int k = 0; k < n; ++k) proxies[k] = r.dataset<double>(g + "/" + proxy_name(k), lead);
     }
   }
 
@@ -382,7 +383,7 @@ struct Records {
       qs =
           QuerySetQuality{query_sets[k][0][i], query_sets[k][1][i], query_sets[k][2][i], query_sets[k][3][i]};
     }
-    for (int k = 0; k < kNumProxies; ++k)  // before 1.3: not recorded
+    for (int k = 0; k < kNumProxies; ++k)  // before 1.3 (the specific recalls before 1.5): not recorded
       proxy_value(h.quality.proxies, k) =
           proxies[k].empty() ? std::numeric_limits<double>::quiet_NaN() : proxies[k][i];
     if (!bytes_end.empty()) {
@@ -413,6 +414,8 @@ std::vector<PointResult> read_contents(const Reader& r, ResultsMeta* meta) {
   const bool v12 = minor >= 2;
   // 1.3 added the fidelity proxies (error_worst_query, ..., topk_mass); before 1.3 they read as NaN.
   const bool v13 = minor >= 3;
+  // 1.5 added the specific top-k recalls (specific_recall, specific_recall_min); before 1.5 they read as NaN.
+  const bool v15 = minor >= 5;
   auto count = [&](const char* name, std::int64_t max) {
     const std::int64_t v = r.attr_i64(name)[0];
     if (v < 0) r.fail(std::string("/@") + name, "negative");
@@ -469,7 +472,7 @@ std::vector<PointResult> read_contents(const Reader& r, ResultsMeta* meta) {
   const std::vector<double> budget_value = r.dataset<double>("/points/budget_value", {P});
   const std::vector<double> seconds = r.dataset<double>("/points/seconds", {P});
   const std::vector<std::uint8_t> pareto = r.dataset<std::uint8_t>("/points/pareto", {P});
-  const Records pr(r, "/points", {P}, v11, v12, v13);
+  const Records pr(r, "/points", {P}, v11, v12, v13, v15);
   const std::vector<std::string> mode =
       v11 ? r.strings("/points/mode", P) : std::vector<std::string>(P, "prefill");
   std::vector<std::string> kind;
@@ -484,9 +487,9 @@ std::vector<PointResult> read_contents(const Reader& r, ResultsMeta* meta) {
   }
   const std::vector<std::int32_t> layer = r.dataset<std::int32_t>("/layers/layer", {P, L});
   const std::vector<std::int32_t> merged_heads = r.dataset<std::int32_t>("/layers/merged_heads", {P, L});
-  const Records lr(r, "/layers", {P, L}, v11, v12, v13);
+  const Records lr(r, "/layers", {P, L}, v11, v12, v13, v15);
   const std::vector<std::int32_t> kv_head = r.dataset<std::int32_t>("/heads/kv_head", {P, L, H});
-  const Records hr(r, "/heads", {P, L, H}, v11, v12, v13);
+  const Records hr(r, "/heads", {P, L, H}, v11, v12, v13, v15);
   for (hsize_t p = 0; p < P; ++p) {
     PointResult& pt = points[p];
     pt.policy = policy[p];

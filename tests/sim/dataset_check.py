@@ -52,7 +52,7 @@ manifest = pd.read_csv(manifest_csv, dtype=str, keep_default_na=False)
 check(len(manifest) == N and list(manifest.columns[:3]) == ["sample", "trace", "family"], "manifest columns")
 check(set(manifest.family) <= {"fine-grained", "counting", "two-image", "text-only"}, "families")
 with h5py.File(h5, "r") as f:
-    check(f.attrs["version"] == "1.4" and f.attrs["num_samples"] == N, "root attributes")
+    check(f.attrs["version"] == "1.5" and f.attrs["num_samples"] == N, "root attributes")
     B, seed, conf = int(f.attrs["bootstrap_resamples"]), int(f.attrs["bootstrap_seed"]), float(f.attrs["confidence"])
     tables = {}
     for name in ("samples", "sample_points", "aggregate"):

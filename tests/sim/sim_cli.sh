@@ -22,7 +22,7 @@ bound=$(grep -c '^oracle-topk .* bound' <<<"$table")
 search=$(grep -c '^alloc-search:tova .* search' <<<"$table")
 [[ $bound -eq 2 && $search -eq 2 ]] || { echo "FAIL expected 2 bound and 2 search rows, got $bound and $search"; fail=1; }
 grep -q '^Not policies' <<<"$table" || { echo "FAIL the bound rows are not in their own table"; fail=1; }
-head -1 "$dir/b.csv" | grep -q ',mode,kind,error_worst_query,.*,topk_mass$' || { echo "FAIL csv lacks the kind and proxy columns"; fail=1; }
+head -1 "$dir/b.csv" | grep -q ',mode,kind,error_worst_query,.*,topk_mass,specific_recall,specific_recall_min$' || { echo "FAIL csv lacks the kind and proxy columns"; fail=1; }
 # kind is column 25 (the proxy columns of results format 1.3 follow it)
 bad=$(awk -F, 'NR > 1 && $25 != "policy" && $19 != 0' "$dir/b.csv" | wc -l)
 [[ $bad -eq 0 ]] || { echo "FAIL $bad bound/search csv rows on the Pareto front"; fail=1; }

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kvscope/sim/engine.hpp"
 #include "kvscope/sim/sweep.hpp"
 #include "kvscope/trace/reader.hpp"
 #include "tiny_trace.hpp"
@@ -47,6 +48,8 @@ TEST(Proxies, FullCacheKeepsTheTopKAndHasNoError) {
   }
   EXPECT_EQ(p.total.quality.proxies.topk_recall, 1.0);
   EXPECT_EQ(p.total.quality.proxies.topk_recall_min, 1.0);
+  EXPECT_EQ(p.total.quality.proxies.specific_recall, 1.0);
+  EXPECT_EQ(p.total.quality.proxies.specific_recall_min, 1.0);
   EXPECT_LT(p.total.quality.proxies.error_propagated, 1e-4);
 }
 
@@ -64,11 +67,12 @@ TEST(Proxies, AggregateByTheirOwnRules) {
   const SweepOutput out = sweep({"h2o@0.3", "streamingllm@0.2", "random@0.4"});
   for (const PointResult& p : out.points) {
     const Proxies& P = p.total.quality.proxies;
-    double worst_head = 0, worst_query = 0, topk = 0, topk_min = 0, keep = 1;
+    double worst_head = 0, worst_query = 0, topk = 0, topk_min = 0, keep = 1, spec = 0, spec_min = 0;
     const double L = static_cast<double>(p.layers.size());
     for (const LayerResult& l : p.layers) {
       const Proxies& x = l.total.quality.proxies;
       double max_err = 0, max_row = 0, min_topk = 1, sum_topk = 0, lo = 1e300, hi = -1e300;
+      double min_spec = 1, sum_spec = 0;
       for (const HeadResult& h : l.heads) {
         const Proxies& y = h.quality.proxies;
         EXPECT_EQ(y.error_worst_head, answer(h.quality).output_error);
@@ -79,12 +83,19 @@ TEST(Proxies, AggregateByTheirOwnRules) {
         max_row = std::max(max_row, y.error_worst_query);
         min_topk = std::min(min_topk, y.topk_recall);
         sum_topk += y.topk_recall;
+        EXPECT_EQ(y.specific_recall_min, y.specific_recall);
+        min_spec = std::min(min_spec, y.specific_recall);
+        sum_spec += y.specific_recall;
         lo = std::min(lo, y.error_retrieval);
         hi = std::max(hi, y.error_retrieval);
       }
       EXPECT_EQ(x.error_worst_head, max_err);
       EXPECT_EQ(x.error_worst_query, max_row);
       EXPECT_EQ(x.topk_recall_min, min_topk);
+      EXPECT_EQ(x.specific_recall_min, min_spec);
+      EXPECT_NEAR(x.specific_recall, sum_spec / static_cast<double>(l.heads.size()), 1e-12);
+      spec += x.specific_recall / L;
+      spec_min += x.specific_recall_min / L;
       EXPECT_NEAR(x.topk_recall, sum_topk / static_cast<double>(l.heads.size()), 1e-12);
       EXPECT_GE(x.error_retrieval, lo - 1e-12);  // a weighted mean of the heads'
       EXPECT_LE(x.error_retrieval, hi + 1e-12);
@@ -99,9 +110,40 @@ TEST(Proxies, AggregateByTheirOwnRules) {
     EXPECT_NEAR(P.error_worst_query, worst_query, 1e-12);
     EXPECT_NEAR(P.topk_recall, topk, 1e-12);
     EXPECT_NEAR(P.topk_recall_min, topk_min, 1e-12);
+    EXPECT_NEAR(P.specific_recall, spec, 1e-12);
+    EXPECT_NEAR(P.specific_recall_min, spec_min, 1e-12);
     EXPECT_NEAR(P.error_propagated, 1 - keep, 1e-12);
     EXPECT_LT(P.topk_recall, 1.0) << p.policy << ": compressing to <= 40% loses some of the answer's top-k";
   }
+}
+
+// The specific top-k: the k tokens of largest a(t) - c(t), a the answer rows' mean attention on t (every
+// decode step here), c the mean attention of the prefill queries that see t; ties to the lower index.
+TEST(Proxies, SpecificTopKIsWhatTheAnswerReadsMoreThanTheContextReadsIt) {
+  trace::TraceReader reader(kvscope::testing::tiny_trace("proxies", 64, 24, 6, 5));
+  TraceContext ctx = TraceContext::from_reader(reader);
+  const int T = ctx.T, S = ctx.S, G = ctx.geometry.group_size(), H = ctx.geometry.num_kv_heads;
+  bool differs = false;
+  for (int layer = 0; layer < ctx.geometry.num_layers; ++layer) {
+    LayerData L(layer, reader.read_layer(layer), reader.read_decode_layer(layer), ctx);
+    const std::vector<float> answer = L.decode_attention_mass(), context = L.h2o();  // [Hkv, T]
+    const LayerData::AnswerTopK& top = L.answer_topk();
+    ASSERT_EQ(top.specific.size(), static_cast<std::size_t>(H));
+    for (int h = 0; h < H; ++h) {
+      std::vector<std::pair<double, int>> sigma;
+      for (int t = 0; t < T; ++t) {
+        const std::size_t i = static_cast<std::size_t>(h) * T + t;
+        sigma.emplace_back(-(answer[i] / (static_cast<double>(G) * S) - context[i] / (static_cast<double>(G) * (T - t))), t);
+      }
+      std::sort(sigma.begin(), sigma.end());
+      std::vector<std::int32_t> want;
+      for (int r = 0; r < std::min(kTopK, T); ++r) want.push_back(sigma[static_cast<std::size_t>(r)].second);
+      std::sort(want.begin(), want.end());
+      EXPECT_EQ(top.specific[static_cast<std::size_t>(h)], want) << "layer " << layer << " head " << h;
+      differs = differs || top.specific[static_cast<std::size_t>(h)] != top.tokens[static_cast<std::size_t>(h)];
+    }
+  }
+  EXPECT_TRUE(differs) << "the specific top-k equals the plain top-k everywhere: the test shows nothing";
 }
 
 TEST(Proxies, BudgetsEvaluatedTogetherGiveTheSameProxies) {

@@ -219,7 +219,8 @@ TEST(Csv, RowsColumnsAndValues) {
       "policy,budget,layer,modality,bytes_full,bytes_kept,bytes_ratio,output_error,attention_recall,kl,"
       "entropy_delta,flags,tokens,kept,merged,evicted,share_before,share_after,pareto,budget_value,"
       "bytes_full_end,bytes_end,bytes_peak,mode,kind,error_worst_query,error_worst_head,error_retrieval,"
-      "concentration,error_propagated,topk_recall,topk_recall_min,topk_recall_retrieval,topk_mass");
+      "concentration,error_propagated,topk_recall,topk_recall_min,topk_recall_retrieval,topk_mass,"
+            "specific_recall,specific_recall_min");
   const std::vector<std::string> header = split(lines[0]);
   auto col = [&](const std::string& name) {
     return static_cast<std::size_t>(std::find(header.begin(), header.end(), name) - header.begin());
@@ -348,7 +349,7 @@ TEST(Hdf5, RoundTripWithTheCApi) {
   H5 f{H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose};
   ASSERT_GE(f.id, 0);
   EXPECT_EQ(read_attr_string(f.id, "format"), "kvscope-results");
-  EXPECT_EQ(read_attr_string(f.id, "version"), "1.4");
+  EXPECT_EQ(read_attr_string(f.id, "version"), "1.5");
   EXPECT_EQ(read_attr_string(f.id, "model_name"), "tiny");
   EXPECT_EQ(read_attr_string(f.id, "created"), "2024-01-02T03:04:05Z");
   EXPECT_EQ(read_attr_string(f.id, "command_line"), sample_meta().command_line);

@@ -155,9 +155,14 @@ class LayerData {
   // the min(kTopK, T) tokens of largest A (ties -> lower index), ascending; and their share of the answer
   // rows' attention, sum_{t in top-k} A(t) / (G * |answer steps|) (0 without answer steps). Computed once
   // per layer; call it outside parallel regions first (the engines do, after prepare_steps()).
+  // `specific`: the min(kTopK, T) tokens of largest a(t) - c(t) (ties -> lower index), ascending, with
+  // a(t) = A(t) / (G * |answer steps|) the answer rows' mean attention on t and c(t) = h2o(t) / (G * (T - t))
+  // the mean attention the prefill queries that see t (positions t .. T-1) give it: what the answer reads
+  // more than the context itself reads it (attention sinks, read by every query, drop out).
   struct AnswerTopK {
-    std::vector<std::vector<std::int32_t>> tokens;  // [Hkv][k]
-    std::vector<double> mass;                       // [Hkv]
+    std::vector<std::vector<std::int32_t>> tokens;    // [Hkv][k]
+    std::vector<double> mass;                         // [Hkv]
+    std::vector<std::vector<std::int32_t>> specific;  // [Hkv][k]
   };
   const AnswerTopK& answer_topk();
 

@@ -132,6 +132,6 @@ void write_hdf5(const std::string& path, const std::vector<PointResult>& points,
 void write_table_csv(const std::string& path, const ResultsTable& table);
 
 inline constexpr const char* kResultsFormat = "kvscope-results";
-inline constexpr const char* kResultsVersion = "1.4";
+inline constexpr const char* kResultsVersion = "1.5";
 
 }  // namespace kvscope::sim

@@ -63,10 +63,14 @@ struct Proxies {
   double topk_recall_min = 0;    // head: = topk_recall; layer: min over heads; point: mean over layers
   double topk_recall_retrieval = 0;  // topk_recall weighted by topk_mass
   double topk_mass = 0;              // share of the answer rows' full attention on their top-k tokens
+  // Format 1.5: the answer's specific top-k tokens (what the answer reads more than the context reads it).
+  double specific_recall = 0;        // share that survives; layer: mean over heads; point: mean over layers
+  double specific_recall_min = 0;    // head: = specific_recall; layer: min over heads; point: mean over layers
 };
 
 // The proxies' names (CSV columns, HDF5 datasets) in Proxies' member order, and their values in that order.
-constexpr int kNumProxies = 9;
+constexpr int kNumProxies = 11;
+constexpr int kProxiesBefore15 = 9;  // the proxies of results formats 1.3 and 1.4
 const char* proxy_name(int i);
 double& proxy_value(Proxies& p, int i);
 inline double proxy_value(const Proxies& p, int i) { return proxy_value(const_cast<Proxies&>(p), i); }
