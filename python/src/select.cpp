@@ -1,9 +1,9 @@
 // kvscope.select: one layer's live cache through the closed loop's compressors (sim/closed_loop.hpp), i.e.
 // the policy code kvsim and `kvcap eval` run: select_on_layer + execute_selection per layer.
+#include <pybind11/stl.h>
+
 #include <memory>
 #include <stdexcept>
-
-#include <pybind11/stl.h>
 
 #include "arrays.hpp"
 #include "bindings.hpp"
@@ -181,12 +181,14 @@ void bind_select(py::module_& m) {
             d.c->add_step(layer, qv.data(), kv.data(), vv.data());
           },
           py::arg("layer"), py::arg("q"), py::arg("k"), py::arg("v"))
-      .def("steps",
-           [](const Decode& d, int layer) {
-             if (layer < 0 || layer >= d.g.num_layers)
-               throw std::invalid_argument("layer " + std::to_string(layer) + " out of range");
-             return d.c->steps(layer);
-           })
+      .def(
+          "steps",
+          [](const Decode& d, int layer) {
+            if (layer < 0 || layer >= d.g.num_layers)
+              throw std::invalid_argument("layer " + std::to_string(layer) + " out of range");
+            return d.c->steps(layer);
+          },
+          py::arg("layer"))
       .def(
           "resident",
           [](Decode& d, int layer) {

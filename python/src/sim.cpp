@@ -172,12 +172,16 @@ void bind_sim(py::module_& m) {
       },
       py::arg("policy_files"));
   m.def("policy_parameters", &sim::policy_parameters);
-  m.def("parse_budget_list", [](const std::string& text) {
-    std::vector<std::string> out;
-    for (const auto& b : sim::parse_budget_list(text)) out.push_back(b.text);
-    return out;
-  });
-  m.def("check_budget", [](const std::string& text) { return sim::parse_budget(text).text; });
+  m.def(
+      "parse_budget_list",
+      [](const std::string& text) {
+        std::vector<std::string> out;
+        for (const auto& b : sim::parse_budget_list(text)) out.push_back(b.text);
+        return out;
+      },
+      py::arg("text"));
+  m.def(
+      "check_budget", [](const std::string& text) { return sim::parse_budget(text).text; }, py::arg("text"));
 
   py::class_<Results, std::shared_ptr<Results>>(m, "Results")
       .def("csv", [](const Results& r) { return sim::format_csv(r.out.points, r.meta); })
@@ -187,10 +191,14 @@ void bind_sim(py::module_& m) {
              t.query_sets = r.out.has_roles;
              return sim::format_table(r.out.points, t);
            })
-      .def("write_hdf5",
-           [](const Results& r, const std::string& path) { sim::write_hdf5(path, r.out.points, r.meta); })
-      .def("write_csv",
-           [](const Results& r, const std::string& path) { sim::write_csv(path, r.out.points, r.meta); })
+      .def(
+          "write_hdf5",
+          [](const Results& r, const std::string& path) { sim::write_hdf5(path, r.out.points, r.meta); },
+          py::arg("path"))
+      .def(
+          "write_csv",
+          [](const Results& r, const std::string& path) { sim::write_csv(path, r.out.points, r.meta); },
+          py::arg("path"))
       .def("points",
            [](const Results& r) {
              py::list l;

@@ -116,8 +116,11 @@ void bind_trace(py::module_& m) {
             return layer_tuple(r.read_decode_layer(layer), to_float32);
           },
           py::arg("layer"), py::arg("to_float32") = false);
-  m.def("role_name", [](int role) { return std::string(trace::role_name(role)); });
-  m.def("modality_name", [](int m) { return std::string(kernels::modality_name(m)); });
+  m.def(
+      "role_name", [](int role) { return std::string(trace::role_name(role)); }, py::arg("role"));
+  m.def(
+      "modality_name", [](int modality) { return std::string(kernels::modality_name(modality)); },
+      py::arg("modality"));
 }
 
 }  // namespace kvscope::python

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `pip install .` from the repository into a fresh venv (python3 -m venv --system-site-packages: numpy and
-# pandas from Debian), then a sweep of a shipped trace into a DataFrame from outside the repository.
+# pandas from Debian), then a sweep of a shipped trace into a DataFrame from outside the repository, and the
+# installed type stub (_core.pyi, py.typed) checked against the installed extension (test_stubs.py).
 # Usage: test_pip_install.sh REPO [PYTHON]. Exits 77 (skipped) when PyPI cannot be reached: pip's isolated
 # build needs scikit-build-core and pybind11 from it.
 set -euo pipefail
@@ -27,3 +28,5 @@ assert {"h2o", "snapkv", "int8"} <= policies, policies
 assert list(df.columns[:6]) == ["policy", "budget", "layer", "modality", "bytes_full", "bytes_kept"], df.columns
 print(f"pip install . OK: kvscope._core from {kvscope._core.__file__}; sweep -> DataFrame {df.shape}")
 PY
+# The type stub and py.typed are installed next to the extension, and the stub matches it.
+"$tmp/venv/bin/python" "$repo/tests/package/test_stubs.py"

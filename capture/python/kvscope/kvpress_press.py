@@ -13,10 +13,14 @@ How it fits kvpress's protocol (kvpress.presses.base_press.BasePress): `press(mo
 manager kvpress opens around the prefill; inside it the decoder's attention runs through kvscope's
 attention function (transformers.AttentionInterface, see kvscope.hf), which records each layer's post-RoPE
 queries, and kvpress's forward hook calls `compress(...)` after each attention layer, which hands q, k, v
-to the compressor (layers in order) and returns the layer's compressed keys and values. kvpress caches hold
-one length per layer, so a layer whose kv heads keep different numbers of slots is padded to the largest,
-and the padding slots are masked in later forwards the way kvpress's AdaKVPress masks head-wise evictions
-(`module.masked_key_indices`, kvpress's attention patch; sdpa attention). Merged slots (UniCache's merging
+to the compressor (layers in order) and returns the layer's compressed keys and values. The context's labels
+are kvscope.hf.apply_policy's: `tokens=`, else hf.text_tokens of the ids the decoder is called with (bos /
+eos / pad special: the multimodal policies keep special tokens), so the kept sets are apply_policy's. kvpress
+caches hold one length per layer, and transformers builds one attention mask for every layer from the first
+layer's length, so every layer is padded to the largest number of slots any kv head of any layer keeps
+(earlier layers widened in the cache when the last one is compressed), and the padding slots are masked in
+later forwards the way kvpress's AdaKVPress masks head-wise evictions (`module.masked_key_indices`,
+kvpress's attention patch; sdpa attention). Merged slots (UniCache's merging
 executor) keep their merged keys and values but not the log n logit bias kvscope adds under proportional
 attention (kvpress's cache has no per-slot bias): with merging policies the attention after compression
 differs from kvsim's / kvscope.hf's by that bias; eviction and quantization are exact. Prefill-mode
@@ -29,8 +33,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .bridge import BridgeError, Hooks, TokenTable
-from .hf import HfDecoder
+from .bridge import BridgeError, Hooks, TokenTable, forward_ids
+from .hf import HfDecoder, text_tokens
 
 try:
     from kvpress.presses.base_press import BasePress
@@ -42,8 +46,9 @@ except ImportError as e:  # pragma: no cover - reported when used
 class KvscopePress(BasePress):
     """policy: a kvscope policy name or kvscope.sim.policy(...); budget as kvsim takes it (fraction of tokens
     kept, "128tok", bytes), or compression_ratio (kvpress's: the fraction removed, budget = 1 - ratio).
-    tokens: labels of the context tokens (kvscope.hf.tokens_for; default: every token text, positions
-    0..T-1). dtype: element type the bytes are accounted in."""
+    tokens: labels of the context tokens (kvscope.hf.tokens_for; default: hf.text_tokens of the prefill's
+    input ids, as kvscope.hf.apply_policy; vision-language models need tokens=). dtype: element type the
+    bytes are accounted in."""
 
     policy: Any = "snapkv"
     budget: Any = None
@@ -71,9 +76,15 @@ class KvscopePress(BasePress):
     def __call__(self, model):
         hooks = Hooks()
         self._decoder = HfDecoder(model)
-        self._q, self._compressor = {}, None
+        self._q, self._compressor, self._ids, self._slots = {}, None, None, {}
         self.selections = [None] * len(self._decoder.attentions)
+
+        def pre(module, args, kwargs):  # the decoder's input ids: the context tokens' labels
+            ids = forward_ids(args, kwargs)
+            self._ids = None if ids is None else ids.reshape(-1).tolist()
+
         try:
+            hooks.add(self._decoder.decoder.register_forward_pre_hook(pre, with_kwargs=True))
             self._decoder.switch(hooks)
             self._decoder.route(hooks, self._record)
             with super().__call__(model):
@@ -90,8 +101,14 @@ class KvscopePress(BasePress):
         from . import select
         g = self._decoder.geometry()
         t = self.tokens
-        if t is None:  # kvpress hands over no token ids: every context token text
-            t = TokenTable([0] * T, list(range(T)), [-1] * T, [0] * T, [-1] * T, [-1] * T)
+        if t is None:  # the labels kvscope.hf.apply_policy gives the same ids: bos / eos / pad special
+            if self._ids is None or len(self._ids) != T:
+                raise BridgeError("KvscopePress: the prefill was given no input_ids (inputs_embeds): pass tokens= "
+                                  "(kvscope.hf.tokens_for)")
+            if getattr(self._decoder.model.config, "model_type", "") in ("llava", "qwen2_vl", "qwen2_5_vl"):
+                raise BridgeError("KvscopePress: a vision-language model needs tokens= (kvscope.hf.tokens_for) "
+                                  "for its image labels")
+            t = text_tokens(self._decoder.model.config, self._ids)
         if len(t) != T:
             raise BridgeError(f"KvscopePress: tokens= describes {len(t)} tokens, the context has {T}")
         return select.PrefillCompressor(
@@ -101,8 +118,6 @@ class KvscopePress(BasePress):
             policy_files=self.policy_files)
 
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
-        import torch
-
         layer = self._decoder.layer_of[id(module)]
         T = int(keys.shape[2])
         if keys.shape[0] != 1:
@@ -115,14 +130,33 @@ class KvscopePress(BasePress):
         sel = self._compressor.compress_layer(layer, q, keys[0].float().cpu().numpy(),
                                               values[0].float().cpu().numpy())
         self.selections[layer] = sel
-        hkv, d = int(keys.shape[1]), int(keys.shape[3])
+        # Per kv head its slots in context order; one length per layer, and (transformers builds one mask
+        # for all layers) one length for every layer: padded to the largest, the padding masked.
+        self._slots[layer] = [np.argsort(sel.kept[h], kind="stable") for h in range(len(sel.kept))]
         n = max(len(k) for k in sel.kept)
+        if layer == len(self._decoder.attentions) - 1:
+            n = max(max(len(k) for k in s.kept) for s in self.selections if s is not None)
+            cache = kwargs.get("past_key_values")
+            for l in range(layer):  # the earlier layers (already in the cache) to the common length
+                if self.selections[l] is None or cache is None:
+                    continue
+                cl = cache.layers[l]
+                cl.keys, cl.values = self._padded(l, self._decoder.attentions[l], cl.keys, cl.values, n)
+        return self._padded(layer, module, keys, values, n)
+
+    def _padded(self, layer, module, keys, values, n):
+        """The layer's kept slots (`keys`, `values`: the full context, or an earlier result to widen) as
+        [1, Hkv, n, D], each head's padding masked (module.masked_key_indices, kvpress's attention patch)."""
+        import torch
+
+        sel = self.selections[layer]
+        hkv, d = int(keys.shape[1]), int(keys.shape[3])
         k = keys.new_zeros(1, hkv, n, d)
         v = values.new_zeros(1, hkv, n, d)
         pad_h, pad_s = [], []
         for h in range(hkv):
             K = len(sel.kept[h])
-            order = np.argsort(sel.kept[h], kind="stable")
+            order = self._slots[layer][h]
             k[0, h, :K] = torch.from_numpy(np.asarray(sel.keys[h])[order]).to(keys)
             v[0, h, :K] = torch.from_numpy(np.asarray(sel.values[h])[order]).to(values)
             pad_h += [h] * (n - K)
