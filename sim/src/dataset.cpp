@@ -89,7 +89,7 @@ void row_metrics(const SampleRow& r, int m, bool query_sets, std::vector<double>
   }
 }
 
-// Multiplies the quality metrics that accumulate() weights (not the proxies, which it leaves alone).
+// Multiplies the quality metrics that the mean points' sums weight (accumulate's and the proxies).
 void scale_quality(HeadResult& r, double f) {
   Quality& q = r.quality;
   for (std::size_t i = 0; i < static_cast<std::size_t>(kModalities); ++i) {
@@ -107,6 +107,15 @@ void scale_quality(HeadResult& r, double f) {
     s.kl *= f;
     s.entropy_delta *= f;
   }
+  for (int i = 0; i < kNumProxies; ++i) proxy_value(q.proxies, i) *= f;
+}
+
+// The mean points' proxies (results format 1.5): weighted sums over the samples, like the metrics
+// accumulate() weights (it leaves the proxies alone: within one trace each has its own rule over heads
+// and layers).
+void accumulate_proxies(HeadResult& d, const HeadResult& s, double w) {
+  for (int i = 0; i < kNumProxies; ++i)
+    proxy_value(d.quality.proxies, i) += w * proxy_value(s.quality.proxies, i);
 }
 
 // The (1 - c)/2 and (1 + c)/2 quantiles of v with linear interpolation between order statistics (numpy's
@@ -354,6 +363,7 @@ struct DatasetAggregator::Impl {
       mean.budget_value += w * src.budget_value;
       mean.seconds += src.seconds;
       accumulate(mean.total, src.total, w);
+      accumulate_proxies(mean.total, src.total, w);
       if (mean.layers.size() < src.layers.size()) {
         mean.layers.resize(src.layers.size());
         layer_n[p].resize(src.layers.size(), 0);
@@ -370,10 +380,12 @@ struct DatasetAggregator::Impl {
           dl.merged_heads = sl.merged_heads;
         }
         accumulate(dl.total, sl.total, w);
+        accumulate_proxies(dl.total, sl.total, w);
         if (dl.heads.size() < sl.heads.size()) dl.heads.resize(sl.heads.size());
         for (std::size_t h = 0; h < sl.heads.size(); ++h) {
           dl.heads[h].kv_head = sl.heads[h].kv_head;
           accumulate(dl.heads[h], sl.heads[h], w);
+          accumulate_proxies(dl.heads[h], sl.heads[h], w);
         }
         member.rows.emplace_back(sl.total);
       }
@@ -431,7 +443,7 @@ struct DatasetAggregator::Impl {
     ResultsTable t;
     t.name = "sample_points";
     t.description = "one row per successful sample x point x layer (then all) x modality (then all)";
-    t.columns.reserve(metrics.size() + 8);
+    t.columns.reserve(metrics.size() + kNumProxies + 8);
     t.add("sample", T::kI64, "row of /samples");
     t.add("point", T::kI64, "row of /points");
     t.add("layer", T::kI64, "model layer index, -1 for the whole point");
@@ -439,6 +451,9 @@ struct DatasetAggregator::Impl {
     t.add("bytes_full", T::kI64, "uncompressed bytes of the row (as the CSV's)");
     t.add("bytes_kept", T::kI64, "bytes after the policy (as the CSV's)");
     for (const std::string& m : metrics) t.add(m, T::kF64, "the sample's " + m + " (as the CSV's)");
+    for (int i = 0; i < kNumProxies; ++i)  // results format 1.5
+      t.add(proxy_name(i), T::kF64,
+            std::string("the sample's fidelity proxy ") + proxy_name(i) + " (as the CSV's; not aggregated)");
     t.add("flags", T::kStr, "the sample's collapse flags of the row (';'-separated)");
     return t;
   }
@@ -461,7 +476,7 @@ struct DatasetAggregator::Impl {
       auto& c_mod = t.columns[3].str;
       auto& c_full = t.columns[4].i64;
       auto& c_kept = t.columns[5].i64;
-      auto& c_flags = t.columns[6 + K].str;
+      auto& c_flags = t.columns[6 + K + kNumProxies].str;
       for (const Member& src : members[p]) {
         x.clear();
         sample_rows(p, src, x);
@@ -479,6 +494,9 @@ struct DatasetAggregator::Impl {
             c_full.push_back(!r ? -1 : mrow ? r->bytes_full_modality[mm] : r->bytes_full);
             c_kept.push_back(!r ? -1 : mrow ? r->bytes_kept_modality[mm] : r->bytes_kept);
             for (std::size_t k = 0; k < K; ++k) t.columns[6 + k].f64.push_back(x[row * K + k]);
+            for (int k = 0; k < kNumProxies; ++k)
+              t.columns[6 + K + static_cast<std::size_t>(k)].f64.push_back(
+                  r ? proxy_value(r->quality.proxies, k) : kNaN);
             c_flags.push_back(flag_names(src.flags, all ? -1 : layer_number(p, l)));
           }
         }

@@ -1,11 +1,11 @@
-// HDF5 results file ("kvscope-results" 1.4), written with the HDF5 C API.
+// HDF5 results file ("kvscope-results" 1.5), written with the HDF5 C API.
 // Layout (normative description: docs/results-format.md):
 //   /            attributes: format, version, trace and model metadata, command line
 //   /points      one entry per point:              [P] and [P, 4] / [P, 6]
 //   /layers      per layer of each point:          [P, L] and [P, L, 4] / [P, L, 6]
 //   /heads       per kv head of each layer:        [P, L, H] and [P, L, H, 4] / [P, L, H, 6]
 //   /flags       one entry per collapse flag:      [F] and layer_mask [F, L]
-//   /samples, /sample_points, /aggregate   (1.4, dataset sweeps) tables of 1-D columns
+//   /samples, /sample_points, /aggregate   (1.4, dataset sweeps; 1.5: proxies in /sample_points) tables
 // Every dataset carries a "description" attribute.
 #include <hdf5.h>
 

@@ -246,6 +246,8 @@ TEST(Aggregate, StreamedSamplePointsEqualTheHeldTable) {
   ASSERT_EQ(streamed.tables.size(), 3u);
   const ResultsTable& sp = streamed.tables[1];
   ASSERT_TRUE(static_cast<bool>(sp.stream));
+  EXPECT_NE(sp.find("topk_recall"), nullptr);  // the proxies per sample (results format 1.5)
+  EXPECT_EQ(sp.columns.back().name, "flags");
   EXPECT_FALSE(static_cast<bool>(held.tables[1].stream));
   EXPECT_EQ(sp.rows(), held.tables[1].rows());
   EXPECT_EQ(sp.rows(), (5u + 4u) * 3 * 2);  // (samples of h2o + of the bound) x (layers + all) x (text + all)

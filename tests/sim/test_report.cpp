@@ -348,7 +348,7 @@ TEST(Hdf5, RoundTripWithTheCApi) {
   H5 f{H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose};
   ASSERT_GE(f.id, 0);
   EXPECT_EQ(read_attr_string(f.id, "format"), "kvscope-results");
-  EXPECT_EQ(read_attr_string(f.id, "version"), "1.4");
+  EXPECT_EQ(read_attr_string(f.id, "version"), "1.5");
   EXPECT_EQ(read_attr_string(f.id, "model_name"), "tiny");
   EXPECT_EQ(read_attr_string(f.id, "created"), "2024-01-02T03:04:05Z");
   EXPECT_EQ(read_attr_string(f.id, "command_line"), sample_meta().command_line);

@@ -129,7 +129,7 @@ void write_csv(const std::string& path, const std::vector<PointResult>& points, 
 void write_csv(std::ostream& os, const std::vector<PointResult>& points, const ResultsMeta& meta);
 std::string format_csv(const std::vector<PointResult>& points, const ResultsMeta& meta);
 
-// HDF5 results file (format "kvscope-results", version 1.4), written to path + ".partial" and
+// HDF5 results file (format "kvscope-results", version 1.5), written to path + ".partial" and
 // renamed when complete; throws ReportError (leaving no file) on failure. `tables` become groups of
 // their own (a dataset sweep's /samples, /sample_points, /aggregate).
 void write_hdf5(const std::string& path, const std::vector<PointResult>& points, const ResultsMeta& meta,
@@ -140,6 +140,6 @@ void write_hdf5(const std::string& path, const std::vector<PointResult>& points,
 void write_table_csv(const std::string& path, const ResultsTable& table);
 
 inline constexpr const char* kResultsFormat = "kvscope-results";
-inline constexpr const char* kResultsVersion = "1.4";
+inline constexpr const char* kResultsVersion = "1.5";
 
 }  // namespace kvscope::sim
