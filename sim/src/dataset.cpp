@@ -3,8 +3,10 @@
 #include "kvscope/sim/dataset.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <limits>
 #include <map>
 #include <set>
@@ -36,8 +38,24 @@ double ratio(std::int64_t kept, std::int64_t full) {
   return full ? static_cast<double>(kept) / static_cast<double>(full) : 1.0;
 }
 
+// What a dataset sweep keeps of one layer total (or point total) of one sample: the bytes and the
+// quality metrics of its /sample_points rows and of the bootstrap (344 bytes instead of a HeadResult's
+// 584 and its layer's head rows).
+struct SampleRow {
+  std::array<std::int64_t, kModalities> bytes_full_modality{}, bytes_kept_modality{};
+  std::int64_t bytes_full = 0, bytes_kept = 0;
+  Quality quality;
+  SampleRow() = default;
+  explicit SampleRow(const HeadResult& r)
+      : bytes_full_modality(r.bytes_full_modality),
+        bytes_kept_modality(r.bytes_kept_modality),
+        bytes_full(r.bytes_full.total()),
+        bytes_kept(r.bytes_kept.total()),
+        quality(r.quality) {}
+};
+
 // The metrics of one row (aggregate_metric_names order); m < 0 is the "all" row.
-void row_metrics(const HeadResult& r, int m, bool query_sets, std::vector<double>& out) {
+void row_metrics(const SampleRow& r, int m, bool query_sets, std::vector<double>& out) {
   const Quality& q = r.quality;
   if (m >= 0) {
     const auto i = static_cast<std::size_t>(m);
@@ -54,7 +72,7 @@ void row_metrics(const HeadResult& r, int m, bool query_sets, std::vector<double
       before += q.share_before[static_cast<std::size_t>(k)];
       after += q.share_after[static_cast<std::size_t>(k)];
     }
-    out.push_back(ratio(r.bytes_kept.total(), r.bytes_full.total()));
+    out.push_back(ratio(r.bytes_kept, r.bytes_full));
     out.push_back(q.output_error);
     out.push_back(q.attention_recall);
     out.push_back(q.kl);
@@ -69,6 +87,35 @@ void row_metrics(const HeadResult& r, int m, bool query_sets, std::vector<double
     out.push_back(s.kl);
     out.push_back(s.entropy_delta);
   }
+}
+
+// Multiplies the quality metrics that the mean points' sums weight (accumulate's and the proxies).
+void scale_quality(HeadResult& r, double f) {
+  Quality& q = r.quality;
+  for (std::size_t i = 0; i < static_cast<std::size_t>(kModalities); ++i) {
+    q.recall_modality[i] *= f;
+    q.share_before[i] *= f;
+    q.share_after[i] *= f;
+  }
+  q.output_error *= f;
+  q.attention_recall *= f;
+  q.kl *= f;
+  q.entropy_delta *= f;
+  for (QuerySetQuality& s : q.query_sets) {
+    s.output_error *= f;
+    s.attention_recall *= f;
+    s.kl *= f;
+    s.entropy_delta *= f;
+  }
+  for (int i = 0; i < kNumProxies; ++i) proxy_value(q.proxies, i) *= f;
+}
+
+// The mean points' proxies (results format 1.5): weighted sums over the samples, like the metrics
+// accumulate() weights (it leaves the proxies alone: within one trace each has its own rule over heads
+// and layers).
+void accumulate_proxies(HeadResult& d, const HeadResult& s, double w) {
+  for (int i = 0; i < kNumProxies; ++i)
+    proxy_value(d.quality.proxies, i) += w * proxy_value(s.quality.proxies, i);
 }
 
 // The (1 - c)/2 and (1 + c)/2 quantiles of v with linear interpolation between order statistics (numpy's
@@ -221,45 +268,72 @@ void check_groupings(const trace::Dataset& dataset, const std::vector<std::strin
   }
 }
 
-DatasetResults aggregate_dataset(const trace::Dataset& dataset, const std::vector<SampleResult>& results,
-                                 const std::vector<std::string>& by, const BootstrapOptions& options,
-                                 const CollapseThresholds& thresholds) {
-  DatasetResults dr;
-  const std::size_t N = results.size();
-  std::vector<std::size_t> ok;
-  for (std::size_t i = 0; i < N; ++i)
-    if (results[i].ok) ok.push_back(i);
-  if (ok.empty()) throw std::runtime_error("no sample of the dataset could be replayed");
+namespace {
 
-  // Mean points, matched by key in order of first appearance.
-  std::map<std::string, std::size_t> index;
-  std::vector<std::vector<std::pair<std::size_t, const PointResult*>>>
-      members;  // per point: (sample, its point)
-  for (std::size_t i : ok) {
-    for (const PointResult& p : results[i].points) {
-      const auto [it, fresh] = index.emplace(point_key(p), dr.points.size());
-      if (fresh) {
-        PointResult m;
-        m.policy = p.policy;
-        m.budget = p.budget;
-        m.mode = p.mode;
-        m.kind = p.kind;
-        dr.points.push_back(std::move(m));
-        members.emplace_back();
-      }
-      members[it->second].emplace_back(i, &p);
+// One sample's share of a mean point: its layer totals and point total, and its collapse flags (mode
+// and layers only: the evidence and fix text is not in /sample_points).
+struct Member {
+  std::size_t sample = 0;
+  std::vector<SampleRow> rows;  // the sample's layers (its own count), then the point's total
+  std::vector<CollapseFlag> flags;
+  const SampleRow* layer(std::size_t l) const { return l + 1 < rows.size() ? &rows[l] : nullptr; }
+  const SampleRow& total() const { return rows.back(); }
+};
+
+struct SampleInfo {
+  bool ok = false;
+  std::string error;
+  std::int64_t num_tokens = 0, num_decode_steps = 0;
+};
+
+}  // namespace
+
+struct DatasetAggregator::Impl {
+  const trace::Dataset& dataset;
+  std::vector<std::string> by;
+  BootstrapOptions options;
+  CollapseThresholds thresholds;
+  std::vector<SampleInfo> samples;
+  std::map<std::string, std::size_t> index;       // point key -> row of points
+  std::vector<PointResult> points;                // the mean points, folding
+  std::vector<std::vector<Member>> members;       // per point, in sample order
+  std::vector<std::vector<std::size_t>> layer_n;  // per point and layer: samples with that layer
+  ResultsMeta meta;
+  bool any_ok = false, has_roles = false, finished = false;
+  // Set by finish(), read by the /sample_points stream: the reported modalities, the metrics per row
+  // and each mean point's layer numbers (the mean points themselves go to the results).
+  std::vector<int> modalities;
+  std::size_t K = 0;
+  std::vector<std::vector<std::int64_t>> layer_numbers;
+
+  Impl(const trace::Dataset& d, std::vector<std::string> b, BootstrapOptions o, CollapseThresholds t)
+      : dataset(d), by(std::move(b)), options(o), thresholds(std::move(t)) {}
+
+  // Folding weight of every sample: 1 / (samples of the dataset). A point (or layer) that only n of
+  // the N samples have (failed samples, traces of other depths) is rescaled by N / n in finish().
+  double weight() const { return 1.0 / static_cast<double>(dataset.samples.size()); }
+
+  void add(SampleResult r) {
+    if (finished || samples.size() >= dataset.samples.size())
+      throw std::logic_error("DatasetAggregator::add: more samples than the dataset has");
+    const std::size_t i = samples.size();
+    SampleInfo info;
+    info.ok = r.ok;
+    info.error = r.error;
+    info.num_tokens = r.meta.num_tokens;
+    info.num_decode_steps = r.meta.num_decode_steps;
+    samples.push_back(std::move(info));
+    if (!r.ok) return;
+    const ResultsMeta& m = r.meta;
+    if (!any_ok) {
+      meta = m;
+      meta.num_tokens = meta.num_decode_steps = 0;
+      meta.tokens_per_modality = {};
+      meta.steps_in_context = 0;
+      meta.query_set_steps = {};
+      any_ok = true;
     }
-  }
-  bool has_vision = false;
-  ResultsMeta& meta = dr.meta;
-  meta = results[ok.front()].meta;
-  meta.num_tokens = meta.num_decode_steps = 0;
-  meta.tokens_per_modality = {};
-  meta.steps_in_context = 0;
-  meta.query_set_steps = {};
-  for (std::size_t i : ok) {
-    const ResultsMeta& m = results[i].meta;
-    dr.has_roles = dr.has_roles || m.has_roles;
+    has_roles = has_roles || m.has_roles;
     meta.num_tokens += m.num_tokens;
     meta.num_decode_steps += m.num_decode_steps;
     meta.steps_in_context += m.steps_in_context;
@@ -270,54 +344,226 @@ DatasetResults aggregate_dataset(const trace::Dataset& dataset, const std::vecto
       meta.query_set_steps[static_cast<std::size_t>(k)] += m.query_set_steps[static_cast<std::size_t>(k)];
     meta.num_layers = std::max(meta.num_layers, m.num_layers);
     meta.num_kv_heads = std::max(meta.num_kv_heads, m.num_kv_heads);
-  }
-  meta.has_roles = dr.has_roles;
-  has_vision = meta.tokens_per_modality[static_cast<std::size_t>(kernels::Modality::kVision)] > 0;
-  for (std::size_t p = 0; p < dr.points.size(); ++p) {
-    PointResult& m = dr.points[p];
-    const double w = 1.0 / static_cast<double>(members[p].size());
-    std::size_t layers = 0;
-    for (const auto& [i, src] : members[p]) layers = std::max(layers, src->layers.size());
-    m.layers.resize(layers);
-    std::vector<std::size_t> layer_n(layers, 0);
-    for (const auto& [i, src] : members[p])
-      for (std::size_t l = 0; l < src->layers.size(); ++l) ++layer_n[l];
-    for (const auto& [i, src] : members[p]) {
-      m.budget_value += w * src->budget_value;
-      m.seconds += src->seconds;
-      accumulate(m.total, src->total, w);
-      for (std::size_t l = 0; l < src->layers.size(); ++l) {
-        const LayerResult& sl = src->layers[l];
-        LayerResult& dl = m.layers[l];
-        const double wl = 1.0 / static_cast<double>(layer_n[l]);
+
+    const double w = weight();
+    for (PointResult& src : r.points) {
+      const auto [it, fresh] = index.emplace(point_key(src), points.size());
+      if (fresh) {
+        PointResult mean;
+        mean.policy = src.policy;
+        mean.budget = src.budget;
+        mean.mode = src.mode;
+        mean.kind = src.kind;
+        points.push_back(std::move(mean));
+        members.emplace_back();
+        layer_n.emplace_back();
+      }
+      const std::size_t p = it->second;
+      PointResult& mean = points[p];
+      mean.budget_value += w * src.budget_value;
+      mean.seconds += src.seconds;
+      accumulate(mean.total, src.total, w);
+      accumulate_proxies(mean.total, src.total, w);
+      if (mean.layers.size() < src.layers.size()) {
+        mean.layers.resize(src.layers.size());
+        layer_n[p].resize(src.layers.size(), 0);
+      }
+      Member member;
+      member.sample = i;
+      member.rows.reserve(src.layers.size() + 1);
+      for (std::size_t l = 0; l < src.layers.size(); ++l) {
+        const LayerResult& sl = src.layers[l];
+        LayerResult& dl = mean.layers[l];
+        ++layer_n[p][l];
         if (dl.heads.empty()) {
           dl.layer = sl.layer;
           dl.merged_heads = sl.merged_heads;
         }
-        accumulate(dl.total, sl.total, wl);
+        accumulate(dl.total, sl.total, w);
+        accumulate_proxies(dl.total, sl.total, w);
         if (dl.heads.size() < sl.heads.size()) dl.heads.resize(sl.heads.size());
         for (std::size_t h = 0; h < sl.heads.size(); ++h) {
           dl.heads[h].kv_head = sl.heads[h].kv_head;
-          accumulate(dl.heads[h], sl.heads[h], wl);
+          accumulate(dl.heads[h], sl.heads[h], w);
+          accumulate_proxies(dl.heads[h], sl.heads[h], w);
+        }
+        member.rows.emplace_back(sl.total);
+      }
+      member.rows.emplace_back(src.total);
+      for (CollapseFlag& f : src.flags) {
+        CollapseFlag kept;
+        kept.mode = std::move(f.mode);
+        kept.layers = std::move(f.layers);
+        member.flags.push_back(std::move(kept));
+      }
+      members[p].push_back(std::move(member));
+    }
+  }
+
+  // Rows of point p's table block: (layers + all) x (modalities + all).
+  std::size_t rows_of(std::size_t p) const { return (layer_numbers[p].size() + 1) * (modalities.size() + 1); }
+
+  // The metric matrix [rows x K] of one member of point p, appended to x.
+  void sample_rows(std::size_t p, const Member& src, std::vector<double>& x) const {
+    std::vector<double> v;
+    const std::size_t L = layer_numbers[p].size();
+    for (std::size_t l = 0; l <= L; ++l) {
+      const SampleRow* r = l < L ? src.layer(l) : &src.total();
+      for (std::size_t mi = 0; mi <= modalities.size(); ++mi) {
+        v.clear();
+        if (r)
+          row_metrics(*r, mi < modalities.size() ? modalities[mi] : -1, has_roles, v);
+        else
+          v.assign(K, kNaN);
+        x.insert(x.end(), v.begin(), v.end());
+      }
+    }
+  }
+
+  std::int64_t layer_number(std::size_t p, std::size_t l) const {
+    return l < layer_numbers[p].size() ? layer_numbers[p][l] : -1;
+  }
+  std::string modality_name(std::size_t mi) const {
+    return mi < modalities.size() ? kernels::modality_name(modalities[mi]) : "all";
+  }
+  static std::string flag_names(const std::vector<CollapseFlag>& flags, std::int64_t layer) {
+    std::string out;
+    for (const CollapseFlag& f : flags) {
+      if (layer >= 0 &&
+          std::find(f.layers.begin(), f.layers.end(), static_cast<int>(layer)) == f.layers.end())
+        continue;
+      out += (out.empty() ? "" : ";") + f.mode;
+    }
+    return out;
+  }
+
+  // The columns of /sample_points (no rows).
+  ResultsTable sample_points_columns(const std::vector<std::string>& metrics) const {
+    using T = ResultsColumn::Type;
+    ResultsTable t;
+    t.name = "sample_points";
+    t.description = "one row per successful sample x point x layer (then all) x modality (then all)";
+    t.columns.reserve(metrics.size() + kNumProxies + 8);
+    t.add("sample", T::kI64, "row of /samples");
+    t.add("point", T::kI64, "row of /points");
+    t.add("layer", T::kI64, "model layer index, -1 for the whole point");
+    t.add("modality", T::kStr, "text, vision, audio, special or all");
+    t.add("bytes_full", T::kI64, "uncompressed bytes of the row (as the CSV's)");
+    t.add("bytes_kept", T::kI64, "bytes after the policy (as the CSV's)");
+    for (const std::string& m : metrics) t.add(m, T::kF64, "the sample's " + m + " (as the CSV's)");
+    for (int i = 0; i < kNumProxies; ++i)  // results format 1.5
+      t.add(proxy_name(i), T::kF64,
+            std::string("the sample's fidelity proxy ") + proxy_name(i) + " (as the CSV's; not aggregated)");
+    t.add("flags", T::kStr, "the sample's collapse flags of the row (';'-separated)");
+    return t;
+  }
+
+  // /sample_points, one block per point: its members' rows.
+  void stream_sample_points(const ResultsTable& columns,
+                            const std::function<void(const ResultsTable&)>& sink) const {
+    ResultsTable t = columns;
+    std::vector<double> x;
+    for (std::size_t p = 0; p < layer_numbers.size(); ++p) {
+      const std::size_t L = layer_numbers[p].size();
+      for (ResultsColumn& c : t.columns) {
+        c.f64.clear();
+        c.i64.clear();
+        c.str.clear();
+      }
+      auto& c_sample = t.columns[0].i64;
+      auto& c_point = t.columns[1].i64;
+      auto& c_layer = t.columns[2].i64;
+      auto& c_mod = t.columns[3].str;
+      auto& c_full = t.columns[4].i64;
+      auto& c_kept = t.columns[5].i64;
+      auto& c_flags = t.columns[6 + K + kNumProxies].str;
+      for (const Member& src : members[p]) {
+        x.clear();
+        sample_rows(p, src, x);
+        std::size_t row = 0;
+        for (std::size_t l = 0; l <= L; ++l) {
+          const bool all = l == L;
+          const SampleRow* r = all ? &src.total() : src.layer(l);
+          for (std::size_t mi = 0; mi <= modalities.size(); ++mi, ++row) {
+            c_sample.push_back(static_cast<std::int64_t>(src.sample));
+            c_point.push_back(static_cast<std::int64_t>(p));
+            c_layer.push_back(layer_number(p, l));
+            c_mod.push_back(modality_name(mi));
+            const bool mrow = mi < modalities.size();
+            const auto mm = mrow ? static_cast<std::size_t>(modalities[mi]) : 0;
+            c_full.push_back(!r ? -1 : mrow ? r->bytes_full_modality[mm] : r->bytes_full);
+            c_kept.push_back(!r ? -1 : mrow ? r->bytes_kept_modality[mm] : r->bytes_kept);
+            for (std::size_t k = 0; k < K; ++k) t.columns[6 + k].f64.push_back(x[row * K + k]);
+            for (int k = 0; k < kNumProxies; ++k)
+              t.columns[6 + K + static_cast<std::size_t>(k)].f64.push_back(
+                  r ? proxy_value(r->quality.proxies, k) : kNaN);
+            c_flags.push_back(flag_names(src.flags, all ? -1 : layer_number(p, l)));
+          }
         }
       }
+      sink(t);
+    }
+  }
+
+  DatasetResults finish();
+};
+
+DatasetAggregator::DatasetAggregator(const trace::Dataset& dataset, std::vector<std::string> by,
+                                     BootstrapOptions options, CollapseThresholds thresholds)
+    : impl_(std::make_unique<Impl>(dataset, std::move(by), options, std::move(thresholds))) {}
+DatasetAggregator::~DatasetAggregator() = default;
+void DatasetAggregator::add(SampleResult result) { impl_->add(std::move(result)); }
+std::size_t DatasetAggregator::added() const { return impl_->samples.size(); }
+DatasetResults DatasetAggregator::finish() { return impl_->finish(); }
+
+DatasetResults DatasetAggregator::Impl::finish() {
+  if (finished) throw std::logic_error("DatasetAggregator::finish: called twice");
+  if (samples.size() != dataset.samples.size())
+    throw std::logic_error("DatasetAggregator::finish: " + std::to_string(samples.size()) + " of " +
+                           std::to_string(dataset.samples.size()) + " samples added");
+  if (!any_ok) throw std::runtime_error("no sample of the dataset could be replayed");
+  finished = true;
+  DatasetResults dr;
+  const std::size_t N = samples.size();
+  std::size_t n_ok = 0;
+  for (const SampleInfo& s : samples) n_ok += s.ok ? 1 : 0;
+
+  meta.has_roles = has_roles;
+  const bool has_vision = meta.tokens_per_modality[static_cast<std::size_t>(kernels::Modality::kVision)] > 0;
+  for (std::size_t p = 0; p < points.size(); ++p) {
+    PointResult& m = points[p];
+    // The sums were weighted by 1 / N: a point or layer of n < N samples is rescaled to its mean.
+    if (members[p].size() != N) {
+      const double f = static_cast<double>(N) / static_cast<double>(members[p].size());
+      m.budget_value *= f;
+      scale_quality(m.total, f);
+    }
+    for (std::size_t l = 0; l < m.layers.size(); ++l) {
+      if (layer_n[p][l] == N) continue;
+      const double f = static_cast<double>(N) / static_cast<double>(layer_n[p][l]);
+      scale_quality(m.layers[l].total, f);
+      for (HeadResult& h : m.layers[l].heads) scale_quality(h, f);
     }
     m.flags = detect_collapse(m, thresholds, has_vision);
   }
-  mark_pareto(dr.points, [](const PointResult& pt) { return pt.kind == "policy"; });
+  mark_pareto(points, [](const PointResult& pt) { return pt.kind == "policy"; });
 
   meta.dataset = true;
   meta.dataset_source = dataset.source;
   meta.trace_path = dataset.source;
   meta.num_samples = static_cast<std::int64_t>(N);
-  meta.failed_samples = static_cast<std::int64_t>(N - ok.size());
+  meta.failed_samples = static_cast<std::int64_t>(N - n_ok);
   meta.bootstrap_resamples = options.resamples;
   meta.bootstrap_seed = options.seed;
   meta.confidence = options.confidence;
+  meta.group_by.clear();
   for (const std::string& g : by) meta.group_by += (meta.group_by.empty() ? "" : ",") + g;
-  const std::vector<int> modalities = reported_modalities(dr.points, meta);
-  const std::vector<std::string> metrics = aggregate_metric_names(dr.has_roles);
-  const std::size_t K = metrics.size();
+  modalities = reported_modalities(points, meta);
+  layer_numbers.resize(points.size());
+  for (std::size_t p = 0; p < points.size(); ++p)
+    for (const LayerResult& l : points[p].layers) layer_numbers[p].push_back(l.layer);
+  const std::vector<std::string> metrics = aggregate_metric_names(has_roles);
+  K = metrics.size();
   using T = ResultsColumn::Type;
 
   // /samples
@@ -344,14 +590,14 @@ DatasetResults aggregate_dataset(const trace::Dataset& dataset, const std::vecto
     for (std::size_t k : extra) t.add(dataset.columns[k], T::kStr, "manifest column (docs/datasets.md)");
     for (std::size_t i = 0; i < N; ++i) {
       const trace::DatasetSample& s = dataset.samples[i];
-      const SampleResult& r = results[i];
+      const SampleInfo& r = samples[i];
       c_sample.str.push_back(s.sample);
       c_trace.str.push_back(s.trace);
       c_status.str.push_back(r.ok ? "ok" : "failed");
       c_error.str.push_back(r.error);
-      c_ctx.i64.push_back(r.ok ? r.meta.num_tokens : -1);
-      c_dec.i64.push_back(r.ok ? r.meta.num_decode_steps : -1);
-      bucket[i] = r.ok ? length_bucket(r.meta.num_tokens) : "";
+      c_ctx.i64.push_back(r.ok ? r.num_tokens : -1);
+      c_dec.i64.push_back(r.ok ? r.num_decode_steps : -1);
+      bucket[i] = r.ok ? length_bucket(r.num_tokens) : "";
       c_len.str.push_back(bucket[i]);
     }
     for (std::size_t e = 0; e < extra.size(); ++e) {
@@ -363,83 +609,14 @@ DatasetResults aggregate_dataset(const trace::Dataset& dataset, const std::vecto
     dr.tables.push_back(std::move(t));
   }
 
-  // Per sample and point: the rows' metric matrix [rows x K], rows = (layers + all) x (modalities + all).
-  auto rows_of = [&](const PointResult& mean) { return (mean.layers.size() + 1) * (modalities.size() + 1); };
-  auto sample_rows = [&](const PointResult& mean, const PointResult* src, std::vector<double>& x) {
-    std::vector<double> v;
-    for (std::size_t l = 0; l <= mean.layers.size(); ++l) {
-      const HeadResult* r = l < mean.layers.size()
-                                ? (src && l < src->layers.size() ? &src->layers[l].total : nullptr)
-                                : (src ? &src->total : nullptr);
-      for (std::size_t mi = 0; mi <= modalities.size(); ++mi) {
-        v.clear();
-        if (r)
-          row_metrics(*r, mi < modalities.size() ? modalities[mi] : -1, dr.has_roles, v);
-        else
-          v.assign(K, kNaN);
-        x.insert(x.end(), v.begin(), v.end());
-      }
-    }
-  };
-  auto layer_number = [](const PointResult& mean, std::size_t l) -> std::int64_t {
-    return l < mean.layers.size() ? mean.layers[l].layer : -1;
-  };
-  auto modality_name = [&](std::size_t mi) -> std::string {
-    return mi < modalities.size() ? kernels::modality_name(modalities[mi]) : "all";
-  };
-  auto flag_names = [](const PointResult& p, std::int64_t layer) {
-    std::string out;
-    for (const CollapseFlag& f : p.flags) {
-      if (layer >= 0 &&
-          std::find(f.layers.begin(), f.layers.end(), static_cast<int>(layer)) == f.layers.end())
-        continue;
-      out += (out.empty() ? "" : ";") + f.mode;
-    }
-    return out;
-  };
-
-  // /sample_points
+  // /sample_points: streamed from the members when written.
   {
-    ResultsTable t;
-    t.name = "sample_points";
-    t.description = "one row per successful sample x point x layer (then all) x modality (then all)";
-    t.columns.reserve(K + 8);
-    auto& c_sample = t.add("sample", T::kI64, "row of /samples");
-    auto& c_point = t.add("point", T::kI64, "row of /points");
-    auto& c_layer = t.add("layer", T::kI64, "model layer index, -1 for the whole point");
-    auto& c_mod = t.add("modality", T::kStr, "text, vision, audio, special or all");
-    auto& c_full = t.add("bytes_full", T::kI64, "uncompressed bytes of the row (as the CSV's)");
-    auto& c_kept = t.add("bytes_kept", T::kI64, "bytes after the policy (as the CSV's)");
-    std::vector<ResultsColumn*> cm;
-    for (const std::string& m : metrics)
-      cm.push_back(&t.add(m, T::kF64, "the sample's " + m + " (as the CSV's)"));
-    auto& c_flags = t.add("flags", T::kStr, "the sample's collapse flags of the row (';'-separated)");
-    std::vector<double> x;
-    for (std::size_t p = 0; p < dr.points.size(); ++p) {
-      const PointResult& mean = dr.points[p];
-      for (const auto& [i, src] : members[p]) {
-        x.clear();
-        sample_rows(mean, src, x);
-        std::size_t row = 0;
-        for (std::size_t l = 0; l <= mean.layers.size(); ++l) {
-          const bool all = l == mean.layers.size();
-          const HeadResult* r =
-              all ? &src->total : (l < src->layers.size() ? &src->layers[l].total : nullptr);
-          for (std::size_t mi = 0; mi <= modalities.size(); ++mi, ++row) {
-            c_sample.i64.push_back(static_cast<std::int64_t>(i));
-            c_point.i64.push_back(static_cast<std::int64_t>(p));
-            c_layer.i64.push_back(layer_number(mean, l));
-            c_mod.str.push_back(modality_name(mi));
-            const bool mrow = mi < modalities.size();
-            const auto mm = mrow ? static_cast<std::size_t>(modalities[mi]) : 0;
-            c_full.i64.push_back(!r ? -1 : mrow ? r->bytes_full_modality[mm] : r->bytes_full.total());
-            c_kept.i64.push_back(!r ? -1 : mrow ? r->bytes_kept_modality[mm] : r->bytes_kept.total());
-            for (std::size_t k = 0; k < K; ++k) cm[k]->f64.push_back(x[row * K + k]);
-            c_flags.str.push_back(flag_names(*src, all ? -1 : layer_number(mean, l)));
-          }
-        }
-      }
-    }
+    ResultsTable t = sample_points_columns(metrics);
+    for (std::size_t p = 0; p < points.size(); ++p) t.streamed_rows += members[p].size() * rows_of(p);
+    const ResultsTable columns = t;
+    t.stream = [this, columns](const std::function<void(const ResultsTable&)>& sink) {
+      stream_sample_points(columns, sink);
+    };
     dr.tables.push_back(std::move(t));
   }
 
@@ -459,7 +636,8 @@ DatasetResults aggregate_dataset(const trace::Dataset& dataset, const std::vecto
     for (const std::string& g : groupings) {
       std::vector<std::string> value(N);
       std::set<std::string> groups;
-      for (std::size_t i : ok) {
+      for (std::size_t i = 0; i < N; ++i) {
+        if (!samples[i].ok) continue;
         value[i] = g == "all" ? "all" : g == "length" ? bucket[i] : dataset.value(i, g);
         groups.insert(value[i]);
       }
@@ -471,10 +649,10 @@ DatasetResults aggregate_dataset(const trace::Dataset& dataset, const std::vecto
         });
       }
       for (const std::string& gv : order) {
-        for (std::size_t p = 0; p < dr.points.size(); ++p) {
+        for (std::size_t p = 0; p < points.size(); ++p) {
           Task task{g, gv, p, {}, {}};
           for (std::size_t k = 0; k < members[p].size(); ++k)
-            if (value[members[p][k].first] == gv) task.samples.push_back(k);
+            if (value[members[p][k].sample] == gv) task.samples.push_back(k);
           if (!task.samples.empty()) tasks.push_back(std::move(task));
         }
       }
@@ -482,10 +660,9 @@ DatasetResults aggregate_dataset(const trace::Dataset& dataset, const std::vecto
 #pragma omp parallel for schedule(dynamic)
     for (std::size_t ti = 0; ti < tasks.size(); ++ti) {
       Task& task = tasks[ti];
-      const PointResult& mean = dr.points[task.point];
       std::vector<double> x;
-      for (std::size_t k : task.samples) sample_rows(mean, members[task.point][k].second, x);
-      const std::size_t C = rows_of(mean) * K;
+      for (std::size_t k : task.samples) sample_rows(task.point, members[task.point][k], x);
+      const std::size_t C = rows_of(task.point) * K;
       std::uint64_t seed = options.seed ^ fnv1a(task.by + '\x1f' + task.group);
       task.iv = bootstrap_columns(x, task.samples.size(), C, options, splitmix64(seed));
     }
@@ -511,7 +688,7 @@ DatasetResults aggregate_dataset(const trace::Dataset& dataset, const std::vecto
       chi.push_back(&t.add(m + "_hi", T::kF64, "upper end of the bootstrap interval of the mean"));
     }
     for (const Task& task : tasks) {
-      const PointResult& mean = dr.points[task.point];
+      const PointResult& mean = points[task.point];
       std::size_t row = 0;
       for (std::size_t l = 0; l <= mean.layers.size(); ++l) {
         for (std::size_t mi = 0; mi <= modalities.size(); ++mi, ++row) {
@@ -521,7 +698,7 @@ DatasetResults aggregate_dataset(const trace::Dataset& dataset, const std::vecto
           c_policy.str.push_back(mean.policy);
           c_budget.str.push_back(mean.budget);
           c_kind.str.push_back(mean.kind);
-          c_layer.i64.push_back(layer_number(mean, l));
+          c_layer.i64.push_back(layer_number(task.point, l));
           c_mod.str.push_back(modality_name(mi));
           c_n.i64.push_back(static_cast<std::int64_t>(task.samples.size()));
           for (std::size_t k = 0; k < K; ++k) {
@@ -535,6 +712,23 @@ DatasetResults aggregate_dataset(const trace::Dataset& dataset, const std::vecto
     }
     dr.tables.push_back(std::move(t));
   }
+  dr.points = std::move(points);
+  dr.meta = meta;
+  dr.has_roles = has_roles;
+  return dr;
+}
+
+DatasetResults aggregate_dataset(const trace::Dataset& dataset, const std::vector<SampleResult>& results,
+                                 const std::vector<std::string>& by, const BootstrapOptions& options,
+                                 const CollapseThresholds& thresholds) {
+  if (results.size() != dataset.samples.size())
+    throw std::logic_error("aggregate_dataset: " + std::to_string(results.size()) + " results for " +
+                           std::to_string(dataset.samples.size()) + " samples");
+  DatasetAggregator agg(dataset, by, options, thresholds);
+  for (const SampleResult& r : results) agg.add(r);
+  DatasetResults dr = agg.finish();
+  for (ResultsTable& t : dr.tables)
+    if (t.stream) t = t.materialized();
   return dr;
 }
 

@@ -190,25 +190,49 @@ const ResultsColumn* ResultsTable::find(const std::string& column) const {
   return nullptr;
 }
 
+ResultsTable ResultsTable::materialized() const {
+  if (!stream) return *this;
+  ResultsTable out;
+  out.name = name;
+  out.description = description;
+  out.columns = columns;
+  stream([&](const ResultsTable& block) {
+    for (std::size_t k = 0; k < out.columns.size(); ++k) {
+      ResultsColumn& c = out.columns[k];
+      const ResultsColumn& b = block.columns[k];
+      c.f64.insert(c.f64.end(), b.f64.begin(), b.f64.end());
+      c.i64.insert(c.i64.end(), b.i64.begin(), b.i64.end());
+      c.str.insert(c.str.end(), b.str.begin(), b.str.end());
+    }
+  });
+  return out;
+}
+
 void write_table_csv(const std::string& path, const ResultsTable& table) {
   write_file_atomically(path, [&](std::ostream& os) {
     for (std::size_t k = 0; k < table.columns.size(); ++k)
       os << (k ? "," : "") << quoted(table.columns[k].name);
     os << "\n";
-    const std::size_t n = table.rows();
-    for (std::size_t r = 0; r < n; ++r) {
-      for (std::size_t k = 0; k < table.columns.size(); ++k) {
-        const ResultsColumn& c = table.columns[k];
-        if (k) os << ',';
-        if (c.type == ResultsColumn::Type::kF64)
-          os << num(c.f64[r]);
-        else if (c.type == ResultsColumn::Type::kI64)
-          os << num(c.i64[r]);
-        else
-          os << quoted(c.str[r]);
+    auto rows = [&](const ResultsTable& t) {
+      const std::size_t n = t.rows();
+      for (std::size_t r = 0; r < n; ++r) {
+        for (std::size_t k = 0; k < t.columns.size(); ++k) {
+          const ResultsColumn& c = t.columns[k];
+          if (k) os << ',';
+          if (c.type == ResultsColumn::Type::kF64)
+            os << num(c.f64[r]);
+          else if (c.type == ResultsColumn::Type::kI64)
+            os << num(c.i64[r]);
+          else
+            os << quoted(c.str[r]);
+        }
+        os << '\n';
       }
-      os << '\n';
-    }
+    };
+    if (table.stream)
+      table.stream(rows);
+    else
+      rows(table);
   });
 }
 

@@ -1,11 +1,11 @@
-// HDF5 results file ("kvscope-results" 1.4), written with the HDF5 C API.
+// HDF5 results file ("kvscope-results" 1.5), written with the HDF5 C API.
 // Layout (normative description: docs/results-format.md):
 //   /            attributes: format, version, trace and model metadata, command line
 //   /points      one entry per point:              [P] and [P, 4] / [P, 6]
 //   /layers      per layer of each point:          [P, L] and [P, L, 4] / [P, L, 6]
 //   /heads       per kv head of each layer:        [P, L, H] and [P, L, H, 4] / [P, L, H, 6]
 //   /flags       one entry per collapse flag:      [F] and layer_mask [F, L]
-//   /samples, /sample_points, /aggregate   (1.4, dataset sweeps) tables of 1-D columns
+//   /samples, /sample_points, /aggregate   (1.4, dataset sweeps; 1.5: proxies in /sample_points) tables
 // Every dataset carries a "description" attribute.
 #include <hdf5.h>
 
@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdio>
 #include <ctime>
+#include <deque>
 #include <filesystem>
 #include <functional>
 #include <limits>
@@ -290,16 +291,67 @@ void write_table(const Writer& w, hid_t file, const ResultsTable& t) {
       H5Gclose);
   w.attr_string(g, gname, "description", t.description);
   w.attr_scalar<std::int64_t>(g, gname, "num_rows", static_cast<std::int64_t>(t.rows()));
-  for (const ResultsColumn& c : t.columns) {
-    const std::string object = gname + "/" + c.name;
-    const hsize_t n = c.size();
-    if (c.type == ResultsColumn::Type::kF64)
-      w.dataset(g, object, {n}, c.f64, c.description);
-    else if (c.type == ResultsColumn::Type::kI64)
-      w.dataset(g, object, {n}, c.i64, c.description);
-    else
-      w.strings(g, object, c.str, c.description);
+  if (!t.stream) {
+    for (const ResultsColumn& c : t.columns) {
+      const std::string object = gname + "/" + c.name;
+      const hsize_t n = c.size();
+      if (c.type == ResultsColumn::Type::kF64)
+        w.dataset(g, object, {n}, c.f64, c.description);
+      else if (c.type == ResultsColumn::Type::kI64)
+        w.dataset(g, object, {n}, c.i64, c.description);
+      else
+        w.strings(g, object, c.str, c.description);
+    }
+    return;
   }
+  // Streamed: every column created at its full length, then each block written at its rows.
+  std::deque<Handle> ds;  // (Handle cannot move)
+  Handle str_type = Writer::string_type();
+  auto type_of = [&](const ResultsColumn& c, bool file_type) -> hid_t {
+    if (c.type == ResultsColumn::Type::kF64) return file_type ? H5T_IEEE_F64LE : H5T_NATIVE_DOUBLE;
+    if (c.type == ResultsColumn::Type::kI64) return file_type ? H5T_STD_I64LE : H5T_NATIVE_INT64;
+    return str_type;
+  };
+  const hsize_t n = t.streamed_rows;
+  {
+    Handle space(w.check(H5Screate_simple(1, &n, nullptr), gname, "dataspace"), H5Sclose);
+    for (const ResultsColumn& c : t.columns) {
+      const std::string object = gname + "/" + c.name;
+      ds.emplace_back(w.check(H5Dcreate2(g, c.name.c_str(), type_of(c, true), space, H5P_DEFAULT, H5P_DEFAULT,
+                                         H5P_DEFAULT),
+                              object, "create"),
+                      H5Dclose);
+      w.attr_string(ds.back(), object, "description", c.description);
+    }
+  }
+  hsize_t at = 0;
+  std::vector<const char*> ptrs;
+  t.stream([&](const ResultsTable& block) {
+    const hsize_t rows = block.rows();
+    if (rows == 0) return;
+    if (at + rows > n) w.fail(gname, "streamed rows beyond the table's length: write");
+    Handle mem(w.check(H5Screate_simple(1, &rows, nullptr), gname, "dataspace"), H5Sclose);
+    for (std::size_t k = 0; k < t.columns.size(); ++k) {
+      const ResultsColumn& c = block.columns[k];
+      const std::string object = gname + "/" + t.columns[k].name;
+      Handle file_space(w.check(H5Dget_space(ds[k]), object, "dataspace"), H5Sclose);
+      if (H5Sselect_hyperslab(file_space, H5S_SELECT_SET, &at, nullptr, &rows, nullptr) < 0)
+        w.fail(object, "select");
+      const void* data = nullptr;
+      if (c.type == ResultsColumn::Type::kF64) {
+        data = c.f64.data();
+      } else if (c.type == ResultsColumn::Type::kI64) {
+        data = c.i64.data();
+      } else {
+        ptrs.clear();
+        for (const std::string& v : c.str) ptrs.push_back(v.c_str());
+        data = ptrs.data();
+      }
+      if (H5Dwrite(ds[k], type_of(c, false), mem, file_space, H5P_DEFAULT, data) < 0) w.fail(object, "write");
+    }
+    at += rows;
+  });
+  if (at != n) w.fail(gname, "streamed rows short of the table's length: write");
 }
 
 void write_contents(const Writer& w, hid_t file, const std::vector<PointResult>& points,

@@ -3,7 +3,11 @@
 the tables' shapes, the mean points against the per-sample rows, the intervals against a reimplementation
 of the documented bootstrap, and the CSVs against the HDF5 tables.
 
-usage: dataset_check.py RESULTS.h5 AGGREGATES.csv SAMPLES.csv MANIFEST.csv NUM_SAMPLES"""
+With ONE.csv and I (the CSV of `kvsim sweep --trace` of sample I with the dataset sweep's options), also
+checks that sample I's rows of /sample_points are that CSV's rows: every metric, the proxies (1.5) and
+the flags, as scripts/calibrate reads them.
+
+usage: dataset_check.py RESULTS.h5 AGGREGATES.csv SAMPLES.csv MANIFEST.csv NUM_SAMPLES [ONE.csv I]"""
 import sys
 
 import h5py
@@ -62,6 +66,8 @@ with h5py.File(h5, "r") as f:
     pts = pd.DataFrame({k: f["points"][k].asstr()[:] for k in ("policy", "budget", "kind")})
     pts["output_error"] = f["points/output_error"][:]
     pts["pareto"] = f["points/pareto"][:]
+    pts["mode"] = f["points/mode"].asstr()[:]
+    pts["topk_recall"] = f["points/topk_recall"][:]
     L = int(f.attrs["num_layers"])
 samples, sp, agg = tables["samples"], tables["sample_points"], tables["aggregate"]
 check(len(samples) == N and list(samples["sample"]) == list(manifest["sample"]), "/samples rows")
@@ -73,6 +79,10 @@ check(set(pts.kind[pts.pareto == 1]) == {"policy"}, "Pareto front outside the po
 tot = sp[(sp.layer == -1) & (sp.modality == "all")]
 mean_err = tot.groupby("point").output_error.mean()
 check(np.allclose(mean_err.sort_index().values, pts.output_error.values, rtol=1e-12, atol=1e-15), "mean points")
+# The mean points' proxies (1.5) are the means of the samples' too.
+mean_topk = tot.groupby("point").topk_recall.mean()
+check(np.allclose(mean_topk.sort_index().values, pts.topk_recall.values, rtol=1e-12, atol=1e-15, equal_nan=True),
+      "mean points' proxies")
 a_all = agg[(agg.by == "all") & (agg.layer == -1) & (agg.modality == "all")].set_index("point").sort_index()
 check(np.allclose(a_all.output_error_mean.values, pts.output_error.values, rtol=1e-12, atol=1e-15), "aggregate means")
 check(set(a_all.n) == {N}, "n of the grouping all")
@@ -101,4 +111,34 @@ check(len(c) == len(agg) and np.array_equal(c.output_error_hi.values, agg.output
       "aggregate CSV")
 s = pd.read_csv(samples_csv, keep_default_na=False, na_values=["nan"], float_precision="round_trip")
 check(len(s) == len(sp) and np.array_equal(s.kl.values, sp.kl.values, equal_nan=True), "per-sample CSV")
+if len(sys.argv) > 7:  # sample I's rows against its single-trace CSV
+    one = pd.read_csv(sys.argv[6], dtype={"budget": str, "layer": str, "flags": str}, keep_default_na=False,
+                      na_values=["nan"], float_precision="round_trip")
+    i = int(sys.argv[7])
+    mine = sp[sp["sample"] == i].merge(pts[["policy", "budget", "kind", "mode"]], left_on="point", right_index=True)
+    mine["layer"] = mine.layer.map(lambda v: "all" if v == -1 else str(v))
+    key = ["policy", "budget", "kind", "mode", "layer", "modality"]
+    both = one.merge(mine, on=key, suffixes=("_csv", "_h5"))
+    check(len(both) == len(one) == len(mine), f"sample {i}: {len(one)} CSV rows, {len(mine)} rows, {len(both)} matched")
+    proxies = ["error_worst_query", "error_worst_head", "error_retrieval", "concentration", "error_propagated",
+               "topk_recall", "topk_recall_min", "topk_recall_retrieval", "topk_mass"]
+    cols = [c for c in one.columns if c + "_h5" in both.columns and c not in key]
+    check(set(proxies) <= set(cols) and {"output_error", "flags", "bytes_kept"} <= set(cols), f"columns {cols}")
+    for c in cols:
+        a, b = both[c + "_csv"].values, both[c + "_h5"].values
+        same = np.array_equal(a, b) if a.dtype.kind in "OU" else np.array_equal(a.astype(float), b.astype(float), equal_nan=True)
+        check(same, f"sample {i}: /sample_points {c} differs from the single-trace CSV")
+    # scripts/calibrate's open-loop side reads the same proxies from the dataset's rows as from the CSV.
+    import importlib.machinery, importlib.util, os
+    here = os.path.dirname(os.path.abspath(__file__))
+    loader = importlib.machinery.SourceFileLoader("calibrate", os.path.join(here, "..", "..", "scripts", "calibrate"))
+    spec = importlib.util.spec_from_loader("calibrate", loader)
+    calibrate = importlib.util.module_from_spec(spec)
+    loader.exec_module(calibrate)
+    rows_csv = os.path.join(os.path.dirname(os.path.abspath(sys.argv[6])), f"sample_points_{i}.csv")
+    mine[[c for c in one.columns if c in mine.columns]].to_csv(rows_csv, index=False)
+    a, b = calibrate.read_sweep(sys.argv[6], i), calibrate.read_sweep(rows_csv, i)
+    check(len(a) > 0 and a.equals(b), f"sample {i}: scripts/calibrate's read_sweep differs on /sample_points")
+    print(f"ok   sample {i}: {len(both)} rows of /sample_points equal its single-trace CSV in {len(cols)} columns; "
+          f"calibrate's read_sweep gives the same {a.shape[1]} columns for {len(a)} points")
 print(f"ok   {h5}: {N} samples, {P} points, {len(sp)} per-sample rows, {len(agg)} aggregate rows")

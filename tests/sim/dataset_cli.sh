@@ -35,7 +35,11 @@ for want in "dataset $dir/ds: 8 of 8 samples replayed" "95 % bootstrap intervals
   grep -qF -- "$want" <<<"$out" || { echo "FAIL summary lacks '$want'"; fail=1; }
 done
 grep -qE '^  0\.25 +[a-z]+ +[0-9.]+ +[0-9.]+ \[[0-9.]+, [0-9.]+\]' <<<"$out" || { echo "FAIL no budget row with an interval"; fail=1; }
-"$py" "$here/dataset_check.py" "$dir/r.h5" "$dir/agg.csv" "$dir/samples.csv" "$dir/ds/manifest.csv" 8 || fail=1
+# Sample 3's single-trace sweep with the same options: its /sample_points rows are that CSV's (proxies too).
+"$kvsim" sweep --trace "$dir/ds/s00003.h5" --policies full,h2o,snapkv,streamingllm --budgets 0.25,0.5 --threads 1 -q \
+  --csv "$dir/one3.csv" > /dev/null 2>&1 || { echo "FAIL single-trace sweep of sample 3"; fail=1; }
+"$py" "$here/dataset_check.py" "$dir/r.h5" "$dir/agg.csv" "$dir/samples.csv" "$dir/ds/manifest.csv" 8 \
+  "$dir/one3.csv" 3 || fail=1
 # Deterministic: the same sweep again gives the same file (but the wall clock) and the same aggregate CSV;
 # two policy groups (a unit per group and one for the bound/search rows) give the same aggregates.
 mkdir -p "$dir/first" && mv "$dir/r.h5" "$dir/agg.csv" "$dir/first/"

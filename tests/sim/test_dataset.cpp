@@ -218,6 +218,68 @@ TEST(Aggregate, MeanPointsTablesAndGroups) {
   EXPECT_THROW(aggregate_dataset(ds, rs, {}, o, {}), std::runtime_error);
 }
 
+// The aggregator folds one sample at a time and streams /sample_points when it is written: the same
+// rows as the held table of aggregate_dataset, in the CSV and in the HDF5 file; samples past the
+// dataset's, or a finish before the last, are refused.
+TEST(Aggregate, StreamedSamplePointsEqualTheHeldTable) {
+  trace::Dataset ds;
+  ds.source = "ds";
+  ds.columns = {"sample", "trace"};
+  std::vector<SampleResult> rs;
+  for (int i = 0; i < 5; ++i) {
+    trace::DatasetSample s;
+    s.sample = "s" + std::to_string(i);
+    s.trace = s.sample + ".h5";
+    s.values = {s.sample, s.trace};
+    ds.samples.push_back(s);
+    rs.push_back(sample(0.05 * (i + 1), 100 + 40 * i));
+  }
+  rs[1].points.pop_back();  // a sample without the bound row: that point's mean is over 4 samples
+  BootstrapOptions o;
+  o.resamples = 100;
+  const DatasetResults held = aggregate_dataset(ds, rs, {"length"}, o, {});
+  DatasetAggregator agg(ds, {"length"}, o, {});
+  EXPECT_THROW(agg.finish(), std::logic_error);
+  for (const SampleResult& r : rs) agg.add(r);
+  EXPECT_THROW(agg.add(rs[0]), std::logic_error);
+  const DatasetResults streamed = agg.finish();
+  ASSERT_EQ(streamed.tables.size(), 3u);
+  const ResultsTable& sp = streamed.tables[1];
+  ASSERT_TRUE(static_cast<bool>(sp.stream));
+  EXPECT_NE(sp.find("topk_recall"), nullptr);  // the proxies per sample (results format 1.5)
+  EXPECT_EQ(sp.columns.back().name, "flags");
+  EXPECT_FALSE(static_cast<bool>(held.tables[1].stream));
+  EXPECT_EQ(sp.rows(), held.tables[1].rows());
+  EXPECT_EQ(sp.rows(), (5u + 4u) * 3 * 2);  // (samples of h2o + of the bound) x (layers + all) x (text + all)
+  const auto dir = testing::scratch_dir("stream");
+  const std::string a = (dir / "held.csv").string(), b = (dir / "streamed.csv").string();
+  write_table_csv(a, held.tables[1]);
+  write_table_csv(b, sp);
+  auto text = [](const std::string& path) {
+    std::ifstream in(path);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  EXPECT_EQ(text(a), text(b));
+  EXPECT_NE(text(b).find("\n4,1,0,text,"), std::string::npos);  // sample 4's rows of the bound
+  const ResultsTable back = sp.materialized();
+  for (std::size_t c = 0; c < back.columns.size(); ++c) {
+    EXPECT_EQ(back.columns[c].f64.size() + back.columns[c].i64.size() + back.columns[c].str.size(),
+              sp.rows());
+  }
+  // The mean of the bound (4 samples) and of h2o (5), and the aggregates, are those of the held run.
+  ASSERT_EQ(streamed.points.size(), 2u);
+  for (std::size_t p = 0; p < 2; ++p)
+    EXPECT_EQ(streamed.points[p].total.quality.output_error, held.points[p].total.quality.output_error);
+  EXPECT_NEAR(streamed.points[1].total.quality.output_error, 0.5 * 1.5 * 0.05 * (1 + 3 + 4 + 5) / 4, 1e-12);
+  for (std::size_t c = 0; c < held.tables[2].columns.size(); ++c)
+    EXPECT_EQ(held.tables[2].columns[c].f64, streamed.tables[2].columns[c].f64)
+        << held.tables[2].columns[c].name;
+  // The HDF5 file takes the streamed rows block by block (dataset_cli compares them with the CSV).
+  const std::string h5 = (dir / "streamed.h5").string();
+  write_hdf5(h5, streamed.points, streamed.meta, streamed.tables);
+  EXPECT_TRUE(std::filesystem::exists(h5));
+}
+
 // The summary ranks a policy at a budget only when its bytes are within it (up to half a token of the
 // shortest context): a policy keeping more (FastV's early layers) is listed as not ranked, however low
 // its error.

@@ -206,38 +206,35 @@ int run_dataset_sweep(const std::string& name, const po::variables_map& vm,
       return std::string(1, 'E').append(trace::one_line(e.what()));
     }
   };
+  BootstrapOptions bo;
+  bo.resamples = resamples;
+  bo.seed = vm["seed"].as<unsigned long long>();
+  bo.confidence = confidence;
+  std::unique_ptr<DatasetAggregator> agg;
+  if (wp.root()) agg = std::make_unique<DatasetAggregator>(dataset, by, bo, options.thresholds);
   std::unique_ptr<cli::ProgressBar> bar;
   if (wp.root()) bar = std::make_unique<cli::ProgressBar>(name, U, !vm.count("quiet"));
   std::size_t received = 0;
-  std::vector<std::string> raw;
-  t = Stamp::now();
-  try {
-    raw = wp.run(U, threads, work, [&](std::size_t, const std::string& r) {
-      bar->update(++received);
-      return skip_bad || r.empty() || r[0] != 'E';
-    });
-  } catch (const std::exception& e) {
-    return fail(e.what());
-  }
-  if (!wp.root()) return 0;
-  bar->finish();
-  t_units = since(t);
-  t = Stamp::now();
-
-  // Samples from their units (decoded here, on rank 0, after every unit finished).
-  std::vector<SampleResult> results(S);
+  // Samples from their units, folded into the aggregates as soon as every unit before them has arrived
+  // (consume: in unit order, never while this rank's work runs, so it may use HDF5); a unit's bytes
+  // and its decoded points are dropped once folded.
   std::map<std::string, std::pair<std::string, int>> warned;  // point -> (first warning, samples)
-  for (std::size_t i = 0; i < S; ++i) {
-    SampleResult& r = results[i];
-    r.ok = true;
-    for (std::size_t g = 0; g < units_per_sample; ++g) {
-      const std::string& bytes = raw[i * units_per_sample + g];
-      if (bytes.empty() || bytes[0] == 'E') {
-        if (r.ok) r.error = bytes.empty() ? "not run (the sweep stopped)" : bytes.substr(1);
-        r.ok = false;
-        continue;
-      }
-      if (!r.ok) continue;
+  SampleResult pending;                                       // the sample whose units are being consumed
+  std::string first_failure;  // without --skip-bad: the first failed sample, in sample order
+  auto consume = [&](std::size_t u, std::string&& bytes) {
+    const Stamp start = Stamp::now();
+    timespec c0{};
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &c0);
+    const std::size_t i = u / units_per_sample, g = u % units_per_sample;
+    SampleResult& r = pending;
+    if (g == 0) {
+      r = SampleResult{};
+      r.ok = true;
+    }
+    if (bytes.empty() || bytes[0] == 'E') {
+      if (r.ok) r.error = bytes.empty() ? "not run (the sweep stopped)" : bytes.substr(1);
+      r.ok = false;
+    } else if (r.ok) {
       try {
         std::uint64_t wn = 0;
         if (bytes.size() < 1 + sizeof wn) throw std::runtime_error("a truncated unit result");
@@ -257,41 +254,73 @@ int run_dataset_sweep(const std::string& name, const po::variables_map& vm,
           os.write(bytes.data() + head, static_cast<std::streamsize>(bytes.size() - head));
           if (!os) throw std::runtime_error("cannot write " + file + " (disk full?)");
         }
+        std::string().swap(bytes);
         ResultsMeta meta;
-        std::vector<PointResult> pts = read_results_hdf5(file, &meta);
+        std::vector<PointResult> pts;
+        try {
+          pts = read_results_hdf5(file, &meta);
+        } catch (...) {
+          fs::remove(file);
+          throw;
+        }
         fs::remove(file);
         if (g == 0) r.meta = meta;
         for (auto& p : pts) r.points.push_back(std::move(p));
       } catch (const std::exception& e) {
-        return fail(std::string("reading back the results of sample ") + dataset.samples[i].sample + ": " +
-                    e.what());
+        throw std::runtime_error(std::string("reading back the results of sample ") +
+                                 dataset.samples[i].sample + ": " + e.what());
       }
     }
-    if (!r.ok && !skip_bad) {
-      return fail("sample " + dataset.samples[i].sample + ": " + r.error +
-                  " (--skip-bad records it as failed and completes the rest)");
+    if (g + 1 == units_per_sample) {
+      if (!r.ok && !skip_bad && first_failure.empty()) {
+        first_failure = "sample " + dataset.samples[i].sample + ": " + r.error +
+                        " (--skip-bad records it as failed and completes the rest)";
+      }
+      if (first_failure.empty()) agg->add(std::move(r));
+      r = SampleResult{};
     }
+    const Stamp end = Stamp::now();
+    timespec c1{};
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &c1);
+    t_gather.wall += end.wall - start.wall;
+    t_gather.cpu +=
+        static_cast<double>(c1.tv_sec - c0.tv_sec) + 1e-9 * static_cast<double>(c1.tv_nsec - c0.tv_nsec);
+  };
+  t = Stamp::now();
+  try {
+    wp.run(
+        U, threads, work,
+        [&](std::size_t, const std::string& r) {
+          bar->update(++received);
+          return skip_bad || r.empty() || r[0] != 'E';
+        },
+        consume);
+  } catch (const std::exception& e) {
+    return fail(e.what());
   }
-  t_gather = since(t);
+  if (!wp.root()) return 0;
+  bar->finish();
+  t_units = since(t);
+  if (!first_failure.empty()) return fail(first_failure);
+  if (agg->added() != S) return fail("the sweep stopped before every sample was replayed");
   for (const auto& [key, w] : warned) {
     std::cerr << name << ": warning: " << w.first
               << (w.second > 1 ? " (and in " + std::to_string(w.second - 1) + " more samples)"
                                : std::string())
               << "\n";
   }
-  BootstrapOptions bo;
-  bo.resamples = resamples;
-  bo.seed = vm["seed"].as<unsigned long long>();
-  bo.confidence = confidence;
   try {
     t = Stamp::now();
-    DatasetResults dr = aggregate_dataset(dataset, results, by, bo, options.thresholds);
+    DatasetResults dr = agg->finish();
     dr.meta.command_line = argv_line;
     t_aggregate = since(t);
     std::cout << format_dataset_summary(dr, top);
-    for (std::size_t i = 0; i < S; ++i) {
-      if (!results[i].ok)
-        std::cout << "failed: sample " << dataset.samples[i].sample << ": " << results[i].error << "\n";
+    if (const ResultsTable* samples = dr.tables.empty() ? nullptr : &dr.tables.front()) {
+      const ResultsColumn *status = samples->find("status"), *error = samples->find("error");
+      for (std::size_t i = 0; status && error && i < S; ++i) {
+        if (status->str[i] != "ok")
+          std::cout << "failed: sample " << dataset.samples[i].sample << ": " << error->str[i] << "\n";
+      }
     }
     t = Stamp::now();
     std::vector<std::string> partial;

@@ -18,6 +18,7 @@
 #include <cstring>
 #include <exception>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <stdexcept>
 #include <thread>
@@ -130,17 +131,18 @@ void WorkPool::set_partial_files(const std::vector<std::string>& paths) {
   }
 }
 
-std::vector<std::string> WorkPool::run(
-    std::size_t n, int threads, const std::function<std::string(std::size_t)>& work,
-    const std::function<bool(std::size_t, const std::string&)>& on_result) {
-  std::vector<std::string> results(root() ? n : 0);
+void WorkPool::run(std::size_t n, int threads, const std::function<std::string(std::size_t)>& work,
+                   const std::function<bool(std::size_t, const std::string&)>& on_result,
+                   const std::function<void(std::size_t, std::string&&)>& consume) {
   (void)threads;  // used by rank 0's work thread under MPI
   if (!mpi_ || size_ == 1) {
     for (std::size_t u = 0; u < n; ++u) {
-      results[u] = work(u);
-      if (!on_result(u, results[u])) break;
+      std::string r = work(u);
+      const bool go_on = on_result(u, r);
+      consume(u, std::move(r));
+      if (!go_on) break;
     }
-    return results;
+    return;
   }
 #ifdef KVSCOPE_HAVE_MPI
   if (!root()) {
@@ -156,6 +158,8 @@ std::vector<std::string> WorkPool::run(
       std::string msg(sizeof done, '\0');
       std::memcpy(msg.data(), &done, sizeof done);
       msg += payload;
+      payload.clear();
+      payload.shrink_to_fit();
       if (msg.size() > static_cast<std::size_t>(std::numeric_limits<int>::max())) {
         std::fprintf(stderr, "kvsim sweep: rank %d: the result of work unit %lld is larger than 2 GiB\n",
                      rank_, static_cast<long long>(done));
@@ -168,15 +172,33 @@ std::vector<std::string> WorkPool::run(
       payload = work(static_cast<std::size_t>(unit));
       done = unit;
     }
-    return results;
+    return;
   }
   std::atomic<std::size_t> next{0};
   std::atomic<bool> stop{false};
   std::mutex mu;
+  std::map<std::size_t, std::string> arrived;  // results not yet consumed, by unit
+  std::size_t consumed = 0;                    // units consumed (only the consuming thread moves it)
   auto deliver = [&](std::size_t u, std::string r) {
     std::lock_guard<std::mutex> lock(mu);
-    results[u] = std::move(r);
-    if (!on_result(u, results[u])) stop = true;
+    if (!on_result(u, r)) stop = true;
+    arrived.emplace(u, std::move(r));
+  };
+  // Consumes the results that follow the last consumed one without a gap (never holding the lock
+  // while consuming).
+  auto consume_ready = [&] {
+    while (true) {
+      std::string r;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        auto it = arrived.find(consumed);
+        if (it == arrived.end()) return;
+        r = std::move(it->second);
+        arrived.erase(it);
+      }
+      consume(consumed, std::move(r));
+      ++consumed;
+    }
   };
   auto claim = [&]() -> std::int64_t {
     if (stop) return -1;
@@ -187,8 +209,10 @@ std::vector<std::string> WorkPool::run(
   std::thread local([&] {
     try {
       kernels::set_cpu_threads(threads);
-      for (std::int64_t u = claim(); u >= 0; u = claim())
+      for (std::int64_t u = claim(); u >= 0; u = claim()) {
         deliver(static_cast<std::size_t>(u), work(static_cast<std::size_t>(u)));
+        consume_ready();
+      }
     } catch (...) {
       local_error = std::current_exception();
       stop = true;
@@ -216,10 +240,11 @@ std::vector<std::string> WorkPool::run(
     MPI_Send(&give, 1, MPI_INT64_T, st.MPI_SOURCE, kTagWork, MPI_COMM_WORLD);
     if (give < 0) --active;
   }
+  std::vector<char>().swap(buf);
   local.join();
   if (local_error) std::rethrow_exception(local_error);
+  consume_ready();  // the results that arrived after rank 0's last unit
 #endif
-  return results;
 }
 
 }  // namespace kvscope::sim

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -57,10 +58,40 @@ struct DatasetResults {
 // the dataset's manifest.
 void check_groupings(const trace::Dataset& dataset, const std::vector<std::string>& by);
 
-// Aggregates the samples (results[i] belongs to dataset.samples[i]). Points are matched across samples
-// by (policy, budget, mode, kind), in the order of their first appearance. Bytes and token counts of
-// the mean points are sums over the samples, quality metrics means; the Pareto front is marked on the
-// mean points (policies only) and their collapse flags come from the mean layers. Throws
+// Aggregates a dataset sweep one sample at a time, so that its memory does not hold every sample's
+// results: add() folds sample i's points into the mean points (bytes and token counts summed, quality
+// metrics weighted by 1 / samples, their head rows then dropped) and keeps of the sample only its
+// layer and point totals' metrics (a few hundred bytes per point x layer: what /sample_points and the
+// bootstrap read). Samples must be added in dataset order (results[i] for dataset.samples[i]): the
+// sums then run in the same order on any number of ranks. `dataset` must outlive the aggregator.
+class DatasetAggregator {
+ public:
+  DatasetAggregator(const trace::Dataset& dataset, std::vector<std::string> by, BootstrapOptions options,
+                    CollapseThresholds thresholds);
+  ~DatasetAggregator();
+  DatasetAggregator(const DatasetAggregator&) = delete;
+  DatasetAggregator& operator=(const DatasetAggregator&) = delete;
+
+  // The next sample of the dataset (throws std::logic_error past the last).
+  void add(SampleResult result);
+  std::size_t added() const;
+
+  // After the last sample: the mean points (Pareto front, collapse flags), the file's meta and the
+  // tables. /sample_points is a streamed table (ResultsTable::stream) that reads this aggregator's
+  // kept rows when it is written: the aggregator must outlive the results' tables. Throws
+  // std::runtime_error when no sample succeeded.
+  DatasetResults finish();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Aggregates the samples (results[i] belongs to dataset.samples[i]) with a DatasetAggregator; the
+// returned tables hold their rows (none is streamed). Points are matched across samples by (policy,
+// budget, mode, kind), in the order of their first appearance. Bytes and token counts of the mean
+// points are sums over the samples, quality metrics means; the Pareto front is marked on the mean
+// points (policies only) and their collapse flags come from the mean layers. Throws
 // std::runtime_error when no sample succeeded. Deterministic: the same inputs give the same tables, on
 // any number of threads.
 DatasetResults aggregate_dataset(const trace::Dataset& dataset, const std::vector<SampleResult>& results,

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <array>
+#include <functional>
 #include <iosfwd>
 #include <optional>
 #include <stdexcept>
@@ -73,7 +74,14 @@ struct ResultsTable {
   std::string name;         // HDF5 group, e.g. "aggregate"
   std::string description;  // its description attribute
   std::vector<ResultsColumn> columns;
-  std::size_t rows() const { return columns.empty() ? 0 : columns.front().size(); }
+  // A streamed table holds no rows: its columns only name and type them, and when the table is written,
+  // stream(sink) hands its `streamed_rows` rows to sink in consecutive blocks, each a table with the same
+  // columns (a dataset sweep's /sample_points, which would otherwise grow with the samples in memory).
+  std::size_t streamed_rows = 0;
+  std::function<void(const std::function<void(const ResultsTable&)>&)> stream;
+  std::size_t rows() const { return stream ? streamed_rows : columns.empty() ? 0 : columns.front().size(); }
+  // A table holding the rows of this one (a streamed table's blocks appended; a copy otherwise).
+  ResultsTable materialized() const;
   ResultsColumn& add(std::string name, ResultsColumn::Type type, std::string description);
   ResultsColumn* find(const std::string& name);
   const ResultsColumn* find(const std::string& name) const;
@@ -121,7 +129,7 @@ void write_csv(const std::string& path, const std::vector<PointResult>& points, 
 void write_csv(std::ostream& os, const std::vector<PointResult>& points, const ResultsMeta& meta);
 std::string format_csv(const std::vector<PointResult>& points, const ResultsMeta& meta);
 
-// HDF5 results file (format "kvscope-results", version 1.4), written to path + ".partial" and
+// HDF5 results file (format "kvscope-results", version 1.5), written to path + ".partial" and
 // renamed when complete; throws ReportError (leaving no file) on failure. `tables` become groups of
 // their own (a dataset sweep's /samples, /sample_points, /aggregate).
 void write_hdf5(const std::string& path, const std::vector<PointResult>& points, const ResultsMeta& meta,
