@@ -22,6 +22,15 @@ std::string write_file(const std::string& dir, const std::string& name, const st
   return path.string();
 }
 
+// Appends sample "sI" (trace sI.h5) to a dataset with the columns sample, trace.
+void add_dataset_sample(trace::Dataset& ds, int i) {
+  trace::DatasetSample s;
+  s.sample = "s" + std::to_string(i);
+  s.trace = s.sample + ".h5";
+  s.values = {s.sample, s.trace};
+  ds.samples.push_back(s);
+}
+
 TEST(Manifest, RoundTripsQuotedFields) {
   const std::string dir = testing::scratch_dir("rt").string();
   const std::vector<std::string> cols = {"sample", "trace", "question"};
@@ -227,11 +236,7 @@ TEST(Aggregate, StreamedSamplePointsEqualTheHeldTable) {
   ds.columns = {"sample", "trace"};
   std::vector<SampleResult> rs;
   for (int i = 0; i < 5; ++i) {
-    trace::DatasetSample s;
-    s.sample = "s" + std::to_string(i);
-    s.trace = s.sample + ".h5";
-    s.values = {s.sample, s.trace};
-    ds.samples.push_back(s);
+    add_dataset_sample(ds, i);
     rs.push_back(sample(0.05 * (i + 1), 100 + 40 * i));
   }
   rs[1].points.pop_back();  // a sample without the bound row: that point's mean is over 4 samples
@@ -304,11 +309,7 @@ TEST(Aggregate, SummaryRanksOnlyPoliciesWithinTheBudget) {
     return p;
   };
   for (int i = 0; i < 4; ++i) {
-    trace::DatasetSample s;
-    s.sample = "s" + std::to_string(i);
-    s.trace = s.sample + ".h5";
-    s.values = {s.sample, s.trace};
-    ds.samples.push_back(s);
+    add_dataset_sample(ds, i);
     SampleResult r = sample(0.1 * (i + 1), 100);  // slack: half a token of 100
     const PointResult h2o = r.points[0];
     r.points.push_back(variant(h2o, "fastv", 90, 0.1));  // 0.9 of the bytes at budget 0.5
