@@ -283,6 +283,64 @@ TEST(TextLlama, SameDecoderAsTheTinyVlmAndTiedEmbeddingsReadEmbedTokens) {
   EXPECT_NE(t, b);
 }
 
+// Splits `dir`/model.safetensors into `shards` files (tensors dealt round-robin, bytes copied as stored)
+// with a model.safetensors.index.json, as save_pretrained writes a model above its max_shard_size.
+void shard_weights(const fs::path& dir, int shards) {
+  std::ifstream in(dir / "model.safetensors", std::ios::binary);
+  std::uint64_t header_len = 0;
+  for (int i = 0; i < 8; ++i)
+    header_len |= static_cast<std::uint64_t>(static_cast<unsigned char>(in.get())) << (8 * i);
+  std::string header(header_len, '\0');
+  in.read(header.data(), static_cast<std::streamsize>(header_len));
+  const std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const nlohmann::json h = nlohmann::json::parse(header);
+  std::vector<nlohmann::json> headers(static_cast<std::size_t>(shards), nlohmann::json::object());
+  std::vector<std::string> bodies(static_cast<std::size_t>(shards));
+  nlohmann::json index = {{"metadata", {{"total_size", data.size()}}},
+                          {"weight_map", nlohmann::json::object()}};
+  int next = 0;
+  for (const auto& [name, t] : h.items()) {
+    if (name == "__metadata__") continue;
+    const auto k = static_cast<std::size_t>(next++ % shards);
+    const std::uint64_t b = t["data_offsets"][0], e = t["data_offsets"][1];
+    nlohmann::json moved = t;
+    moved["data_offsets"] = {bodies[k].size(), bodies[k].size() + (e - b)};
+    headers[k][name] = moved;
+    bodies[k] += data.substr(b, e - b);
+    index["weight_map"][name] =
+        "model-0000" + std::to_string(k + 1) + "-of-0000" + std::to_string(shards) + ".safetensors";
+  }
+  for (std::size_t k = 0; k < headers.size(); ++k) {
+    const std::string hs = headers[k].dump();
+    std::ofstream out(
+        dir / ("model-0000" + std::to_string(k + 1) + "-of-0000" + std::to_string(shards) + ".safetensors"),
+        std::ios::binary);
+    for (int i = 0; i < 8; ++i) out.put(static_cast<char>((hs.size() >> (8 * i)) & 0xff));
+    out << hs << bodies[k];
+  }
+  std::ofstream(dir / "model.safetensors.index.json") << index.dump(2);
+  fs::remove(dir / "model.safetensors");
+}
+
+TEST(TextLlama, ShardedWeightsLoadAsTheSameModel) {
+  const fs::path one = llama_from_fixture(false);
+  const fs::path sharded = one.string() + "_sharded";
+  fs::remove_all(sharded);
+  fs::copy(one, sharded);
+  shard_weights(sharded, 3);
+  Model a = Model::load(one.string());
+  Model b = Model::load(sharded.string());
+  const bool only_shards =
+      !fs::exists(sharded / "model.safetensors") && fs::exists(sharded / "model-00003-of-00003.safetensors");
+  fs::remove_all(one);
+  fs::remove_all(sharded);
+  EXPECT_TRUE(only_shards);
+  EXPECT_EQ(a.weights().embed_tokens, b.weights().embed_tokens);
+  EXPECT_EQ(a.weights().lm_head, b.weights().lm_head);
+  const std::vector<std::int32_t> ids = {1, 6, 7, 8, 9, 10};
+  EXPECT_EQ(a.forward_logits(a.build_prompt_from_ids(ids)), b.forward_logits(b.build_prompt_from_ids(ids)));
+}
+
 TEST(SmolLm2, TiedEmbeddingsAreNotCopiedAndNoVisionIsLoaded) {
   KVSCOPE_SKIP_WITHOUT_SMOLLM2();
   Model model = Model::load(testing::smollm2_dir().string());

@@ -130,5 +130,71 @@ TEST(Safetensors, BadHeadersAreCleanErrors) {
   }
 }
 
+std::string weights_message(const fs::path& dir) {
+  try {
+    SafetensorsWeights w(dir.string());
+  } catch (const RunnerError& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kModel);
+    return e.what();
+  }
+  return "";
+}
+
+TEST(SafetensorsWeights, ShardsOfAnIndexReadLikeOneFile) {
+  TempDir dir;
+  const std::vector<float> a = {1, 2, 3, 4}, b = {5, 6}, c = {-7, 8, 9};
+  write_file(dir.path / "model-00001-of-00002.safetensors",
+             R"({"a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},)"
+             R"( "b": {"dtype": "F32", "shape": [2], "data_offsets": [16, 24]}})",
+             bytes_of(a) + bytes_of(b));
+  write_file(dir.path / "model-00002-of-00002.safetensors",
+             R"({"c": {"dtype": "F32", "shape": [3], "data_offsets": [0, 12]}})", bytes_of(c));
+  std::ofstream(dir.path / "model.safetensors.index.json")
+      << R"({"metadata": {"total_size": 36}, "weight_map": {"a": "model-00001-of-00002.safetensors",)"
+         R"( "b": "model-00001-of-00002.safetensors", "c": "model-00002-of-00002.safetensors"}})";
+  const SafetensorsWeights w(dir.path.string());
+  EXPECT_EQ(w.num_files(), 2u);
+  EXPECT_EQ(w.source(), (dir.path / "model.safetensors.index.json").string());
+  EXPECT_EQ(w.to_f32("a", {2, 2}), a);
+  EXPECT_EQ(w.to_f32("b", {2}), b);
+  EXPECT_EQ(w.to_f32("c", {3}), c);
+  EXPECT_FALSE(w.contains("d"));
+  try {
+    (void)w.to_f32("d", {1});
+    ADD_FAILURE() << "no error for a tensor the index lacks";
+  } catch (const RunnerError& e) {
+    EXPECT_NE(std::string(e.what()).find("missing tensor 'd'"), std::string::npos) << e.what();
+  }
+  // A single model.safetensors next to an index wins, as in transformers.
+  write_file(dir.path / "model.safetensors",
+             R"({"z": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}})",
+             bytes_of(std::vector<float>{3.5f}));
+  const SafetensorsWeights single(dir.path.string());
+  EXPECT_EQ(single.num_files(), 1u);
+  EXPECT_EQ(single.to_f32("z", {1}), std::vector<float>{3.5f});
+}
+
+TEST(SafetensorsWeights, BadFoldersAndIndexesAreCleanErrors) {
+  TempDir dir;
+  EXPECT_NE(weights_message(dir.path).find("model.safetensors: cannot open"), std::string::npos);
+  const fs::path index = dir.path / "model.safetensors.index.json";
+  const auto with_index = [&](const std::string& text) {
+    std::ofstream(index, std::ios::trunc) << text;
+    return weights_message(dir.path);
+  };
+  EXPECT_NE(with_index("{not json").find("not a JSON object"), std::string::npos);
+  EXPECT_NE(with_index(R"({"metadata": {}})").find("no \"weight_map\""), std::string::npos);
+  EXPECT_NE(with_index(R"({"weight_map": {"a": 3}})").find("is not a file name"), std::string::npos);
+  EXPECT_NE(
+      with_index(R"({"weight_map": {"a": "../outside.safetensors"}})").find("not a file name in the model"),
+      std::string::npos);
+  const std::string missing = with_index(R"({"weight_map": {"a": "gone.safetensors"}})");
+  EXPECT_NE(missing.find("gone.safetensors: cannot open"), std::string::npos) << missing;
+  write_file(dir.path / "s1.safetensors", R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}})",
+             bytes_of(std::vector<float>{1.0f}));
+  const std::string absent = with_index(R"({"weight_map": {"a": "s1.safetensors", "b": "s1.safetensors"}})");
+  EXPECT_NE(absent.find("s1.safetensors: has no tensor 'b'"), std::string::npos) << absent;
+}
+
 }  // namespace
 }  // namespace kvscope::runner

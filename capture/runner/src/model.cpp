@@ -67,7 +67,7 @@ Model Model::load(const std::string& dir, Device device) {
                                              " tokens, config.json has vocab_size " +
                                              std::to_string(config.vocab_size));
   }
-  SafetensorsFile file((fs::path(dir) / "model.safetensors").string());
+  const SafetensorsWeights file(dir);  // model.safetensors, or the shards of model.safetensors.index.json
   ModelWeights weights = load_weights(file, config);
   Model model(std::move(config), std::move(weights), std::move(tokenizer), device);
   model.dir_ = dir;

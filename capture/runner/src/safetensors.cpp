@@ -3,6 +3,7 @@
 #include "kvscope/runner/safetensors.hpp"
 
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -228,6 +229,54 @@ std::vector<std::int64_t> SafetensorsFile::to_i64(const std::string& name) const
     }
   }
   return out;
+}
+
+SafetensorsWeights::SafetensorsWeights(const std::string& dir) {
+  namespace fs = std::filesystem;
+  const fs::path single = fs::path(dir) / "model.safetensors";
+  const fs::path index = fs::path(dir) / "model.safetensors.index.json";
+  if (fs::exists(single) || !fs::exists(index)) {
+    source_ = single.string();
+    files_.emplace_back(source_);  // throws naming the file when it is missing
+    for (const auto& [name, info] : files_.back().tensors()) where_[name] = 0;
+    return;
+  }
+  source_ = index.string();
+  nlohmann::json j;
+  {
+    std::ifstream in(index);
+    if (!in) fail(source_, "cannot open the shard index");
+    j = nlohmann::json::parse(in, nullptr, false);
+  }
+  if (j.is_discarded() || !j.is_object()) fail(source_, "not a JSON object");
+  if (!j.contains("weight_map") || !j["weight_map"].is_object() || j["weight_map"].empty()) {
+    fail(source_, "no \"weight_map\" of tensor names to shard files");
+  }
+  std::map<std::string, std::size_t> shard_index;  // shard file name -> index into files_
+  for (const auto& [name, shard] : j["weight_map"].items()) {
+    if (!shard.is_string()) fail(source_, "weight_map['" + name + "'] is not a file name");
+    const std::string file = shard.get<std::string>();
+    if (file.empty() || file.find('/') != std::string::npos || file.find('\\') != std::string::npos ||
+        file == "." || file == "..") {
+      fail(source_, "weight_map['" + name + "'] = '" + file + "' is not a file name in the model folder");
+    }
+    auto it = shard_index.find(file);
+    if (it == shard_index.end()) {
+      files_.emplace_back((fs::path(dir) / file).string());  // throws naming the shard
+      it = shard_index.emplace(file, files_.size() - 1).first;
+    }
+    if (!files_[it->second].contains(name)) {
+      fail(files_[it->second].path(), "has no tensor '" + name + "' (" + source_ + " maps it there)");
+    }
+    where_[name] = it->second;
+  }
+}
+
+std::vector<float> SafetensorsWeights::to_f32(const std::string& name,
+                                              const std::vector<std::int64_t>& expected_shape) const {
+  const auto it = where_.find(name);
+  if (it == where_.end()) fail(source_, "missing tensor '" + name + "'");
+  return files_[it->second].to_f32(name, expected_shape);
 }
 
 }  // namespace kvscope::runner

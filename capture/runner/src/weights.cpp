@@ -5,7 +5,7 @@
 
 namespace kvscope::runner {
 
-ModelWeights load_weights(const SafetensorsFile& f, const ModelConfig& c) {
+ModelWeights load_weights(const SafetensorsWeights& f, const ModelConfig& c) {
   using S = std::vector<std::int64_t>;
   const std::int64_t d = c.hidden_size, inter = c.intermediate_size, dh = c.head_dim;
   const std::int64_t hq = c.num_q_heads, hkv = c.num_kv_heads, v = c.vocab_size;

@@ -49,6 +49,28 @@ class SafetensorsFile {
   std::map<std::string, std::string> metadata_;
 };
 
+// A model folder's weights as Hugging Face saves them: one `model.safetensors`, or shards listed by
+// `model.safetensors.index.json` (its "weight_map": tensor name -> shard file in the same folder). Throws
+// RunnerError(kModel) naming the file for a folder with neither, an index that is not JSON or has no
+// weight_map, a shard name with a path separator, a shard that cannot be read, or a mapped tensor that is
+// not in its shard.
+class SafetensorsWeights {
+ public:
+  explicit SafetensorsWeights(const std::string& dir);
+
+  // The file (`model.safetensors` or the index) the weights were found through.
+  const std::string& source() const { return source_; }
+  std::size_t num_files() const { return files_.size(); }
+  bool contains(const std::string& name) const { return where_.count(name) != 0; }
+  // As SafetensorsFile::to_f32 on the shard holding `name`; a name the folder lacks throws naming source().
+  std::vector<float> to_f32(const std::string& name, const std::vector<std::int64_t>& expected_shape) const;
+
+ private:
+  std::string source_;
+  std::vector<SafetensorsFile> files_;
+  std::map<std::string, std::size_t> where_;  // tensor name -> index into files_
+};
+
 std::string shape_string(const std::vector<std::int64_t>& shape);
 
 }  // namespace kvscope::runner

@@ -9,7 +9,7 @@
 
 namespace kvscope::runner {
 
-class SafetensorsFile;
+class SafetensorsWeights;
 
 struct LayerWeights {
   std::vector<float> input_norm;    // [d]
@@ -39,9 +39,9 @@ struct ModelWeights {
   const std::vector<float>& output() const { return lm_head.empty() ? embed_tokens : lm_head; }
 };
 
-// Reads every weight the config needs from `file` (lm_head.weight only without tie_word_embeddings). Throws
-// RunnerError(kModel) naming the tensor and the expected and actual shapes for a missing or mismatched
-// tensor.
-ModelWeights load_weights(const SafetensorsFile& file, const ModelConfig& config);
+// Reads every weight the config needs from `file` (one file or shards) (lm_head.weight only without
+// tie_word_embeddings). Throws RunnerError(kModel) naming the tensor and the expected and actual shapes for a
+// missing or mismatched tensor.
+ModelWeights load_weights(const SafetensorsWeights& file, const ModelConfig& config);
 
 }  // namespace kvscope::runner
