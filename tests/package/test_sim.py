@@ -86,6 +86,40 @@ class SimTest(unittest.TestCase):
             ks.run(FINE, "h2o", 0.3, progress=boom)
         ks.run(FINE, "h2o", 0.3, progress=True)  # tqdm or a line on stderr
 
+    def test_progress_in_a_notebook_without_ipywidgets(self):
+        # What a Jupyter user without ipywidgets sees (docs/python.md): tqdm.auto finds a notebook kernel
+        # (ipykernel's shell, stubbed here), no IProgress widget, warns once (TqdmWarning) and kvscope's bar is
+        # tqdm's text bar on stderr, which the notebook shows under the cell.
+        try:
+            import tqdm  # noqa: F401
+        except ImportError:
+            self.skipTest("tqdm is not installed (it is in kvscope's environment)")
+        import subprocess
+
+        code = """
+import sys, types, warnings
+class ZMQInteractiveShell: pass
+ipython = types.ModuleType("IPython"); ipython.get_ipython = lambda: ZMQInteractiveShell()
+sys.modules.update({"IPython": ipython, "ipykernel": types.ModuleType("ipykernel"),
+                    "ipykernel.zmqshell": types.ModuleType("ipykernel.zmqshell"), "ipywidgets": None})
+import kvscope.sim as ks
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    ks.sweep(sys.argv[1], ["h2o"], [0.2, 0.4], bound=False, alloc_search=None, progress=True)
+import tqdm.auto
+import tqdm.std
+mro = {c.__module__ for c in tqdm.auto.tqdm.__mro__}
+print("widget" if "tqdm.notebook" in mro else "text" if tqdm.std.tqdm in tqdm.auto.tqdm.__mro__ else "other")
+print([f"{type(x.message).__name__}: {x.message}" for x in w])
+"""
+        r = subprocess.run([sys.executable, "-c", code, FINE], capture_output=True, text=True, timeout=300)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        bar_modules, warned = r.stdout.strip().splitlines()
+        self.assertEqual(bar_modules, "text")  # tqdm.std's bar, not tqdm.notebook's widget
+        self.assertRegex(warned, r"^\['TqdmWarning: IProgress not found. Please update jupyter and ipywidgets\.")
+        self.assertIn("sweep: 100%|", r.stderr)  # the text bar, at its end: 8 of 8 steps
+        self.assertIn("| 8/8 [", r.stderr)
+
     def test_gil_released_while_cpp_runs(self):
         # With a switch interval far longer than the test, a thread holding the GIL keeps it: the main thread,
         # woken by the first progress report, can only run before the sweep ends if C++ released the GIL.

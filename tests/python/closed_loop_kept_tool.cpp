@@ -5,6 +5,9 @@
 //
 //   closed_loop_kept_tool MODEL_DIR TASK LENGTH SEED SAMPLES MAX_NEW POLICY:BUDGET [POLICY:BUDGET ...]
 //
+// A point is POLICY:BUDGET, or POLICY@BUDGET when the policy's name has a colon itself (a decode-time
+// policy with an eviction interval: h2o~decode:4@0.3); POLICY alone runs without a budget.
+//
 // Output: one JSON object per line ({"sample", "policy", "budget", "generated", "correct",
 // "predicted_bytes", "held_bytes", "kept": [layer][kv head][ids]}).
 #include <algorithm>
@@ -79,9 +82,10 @@ int main(int argc, char** argv) {
       const closedloop::Prefill prefill = closedloop::run_prefill(model, ref.prompt);
       for (int a = 7; a < argc; ++a) {
         const std::string point = argv[a];
-        const std::size_t colon = point.find(':');
-        const std::string name = point.substr(0, colon);
-        const std::string budget = colon == std::string::npos ? "" : point.substr(colon + 1);
+        const std::size_t at = point.find('@');
+        const std::size_t split = at != std::string::npos ? at : point.find(':');
+        const std::string name = point.substr(0, split);
+        const std::string budget = split == std::string::npos ? "" : point.substr(split + 1);
         const sim::PolicySpec spec = registry.get(name);
         sim::check_closed_loop_support(spec);
         const sim::Budget b = budget.empty() ? sim::Budget{} : sim::parse_budget(budget);

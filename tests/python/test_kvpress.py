@@ -7,11 +7,19 @@ compressed, the question after):
    context tokens it keeps per layer and kv head equal kvscope.hf.apply_policy's on the same ids, and for
    the eviction policies the answer is the same.
 2. kvscope's snapkv / tova / knorm / streamingllm against kvpress's presses of the same name on the
-   same prefill (h2o's ObservedAttentionPress needs eager attention and is not compared): the kept token sets per layer and kv head, with kvscope's
-   preset and with the INI equivalent docs/policies.md ("Mapping onto kvpress presses") gives, at kvpress's
-   own kept count. knorm, streamingllm and the tova equivalent keep identical sets, the snapkv equivalent
-   close ones (mean Jaccard >= 0.99); the measured agreement of each is printed (docs/policies.md, "kvscope against kvpress,
-   measured").
+   same prefill: the kept token sets per layer and kv head, with kvscope's preset and with the INI
+   equivalent docs/policies.md ("Mapping onto kvpress presses") gives, at kvpress's own kept count. knorm,
+   streamingllm and the tova equivalent keep identical sets, the snapkv equivalent close ones (mean
+   Jaccard >= 0.99); the measured agreement of each is printed (docs/policies.md, "kvscope against
+   kvpress, measured").
+3. kvscope's h2o against kvpress's ObservedAttentionPress, which reads the attention weights and so needs
+   eager attention: one extra prefill of the same ids in a copy of the model loaded with
+   attn_implementation="eager", the press applied to it and kvscope's policies run on its q, k, v. The
+   definitions differ (kvpress divides a token's summed attention by the number of queries that see it,
+   T - t, and forces nothing; h2o sums and forces the newest half of k), so h2o and h2o with
+   recent_fraction 0 are only measured; a Python scorer with kvpress's normalisation registered into
+   kvscope (kvscope.stages) must keep kvpress's sets, which shows that the normalisation is the whole
+   difference.
 
 Usage: scripts/py tests/python/test_kvpress.py  (KVSCOPE_KVCAP set by ctest; exit 77 = skipped without the
 model, kvpress or the native kvscope package)."""
@@ -63,6 +71,21 @@ def kept_from_keys(full, compressed):
         index = {full[h, t].tobytes(): t for t in range(full.shape[1])}
         out.append(sorted(index[row.tobytes()] for row in compressed[h]))
     return out
+
+
+def observed_attention_scores(layer):
+    """kvpress 0.5.5 ObservedAttentionPress.score on kvscope's q, k: the causal attention each token receives,
+    summed over the prefill queries, divided by the number of queries that see it (T - t), mean over the
+    query heads of its kv head (float64 here, float32 in kvpress)."""
+    q = layer.q.astype(np.float64)
+    k = np.repeat(layer.k.astype(np.float64), layer.group_size, axis=0)
+    logits = q @ k.transpose(0, 2, 1) / np.sqrt(layer.head_dim)  # [Hq, T, T]
+    visible = layer.position[None, :] <= layer.position[:, None]
+    logits = np.where(visible, logits, -np.inf)
+    p = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    per_q_head = p.sum(axis=1) / np.arange(layer.T, 0, -1, dtype=np.float64)  # [Hq, T]
+    return per_q_head.reshape(layer.num_kv_heads, layer.group_size, layer.T).mean(axis=1)
 
 
 class KvpressInterop(unittest.TestCase):
@@ -128,38 +151,47 @@ class KvpressInterop(unittest.TestCase):
                       f"layer {slots[0]}..{slots[-1]}; pipeline answer {answer!r}, kvscope.hf {ours!r}"
                       f"{'' if exact else ' (merging: answers not compared)'}", flush=True)
 
+    def press_and_prefill(self, model, press, pf=None):
+        """The press applied to the context's prefill in `model`, and kvscope's recording of the same
+        prefill (`pf`, or a new one): (pf, kvpress's kept sets [layer][kv head])."""
+        if pf is None:
+            pf = hf.prefill(model, self.ctx_ids[0])
+        L = len(pf.keys)
+        cache = transformers.DynamicCache(config=model.config)
+        with press(model), torch.no_grad():
+            model.model(input_ids=self.ctx_ids, past_key_values=cache)
+        theirs = [kept_from_keys(pf.keys[l][0].numpy(), cache.layers[l].keys[0].numpy()) for l in range(L)]
+        return pf, theirs
+
+    def agreement(self, spec, pf, theirs, n_kept):
+        """kvscope's policy `spec` on the prefill's q, k, v at n_kept tokens per kv head against kvpress's kept
+        sets: (identical (layer, kv head) sets, mean Jaccard)."""
+        g = hf.HfDecoder(self.model).geometry()
+        c = select.PrefillCompressor(spec, f"{n_kept}tok", num_layers=g["num_layers"], num_q_heads=g["num_q_heads"],
+                                     num_kv_heads=g["num_kv_heads"], head_dim=g["head_dim"], modality=[0] * self.T)
+        same, jac = 0, []
+        for l in range(g["num_layers"]):
+            sel = c.compress_layer(l, pf.q[l], pf.keys[l][0].numpy(), pf.values[l][0].numpy())
+            for h, mine in enumerate(sel.kept):
+                a, b = set(int(x) for x in mine), set(theirs[l][h])
+                same += a == b
+                jac.append(len(a & b) / len(a | b))
+        return same, float(np.mean(jac))
+
     def test_same_named_presses(self):
         ratio = RATIO
         n_kept = max(1, int(self.T * (1 - ratio)))
+        g = hf.HfDecoder(self.model).geometry()
+        heads = g["num_layers"] * g["num_kv_heads"]
         if not hasattr(self, "pf"):
             type(self).pf = hf.prefill(self.model, self.ctx_ids[0])
-        qs = self.pf.q
-        plain_keys = [k[0].numpy() for k in self.pf.keys]
-        plain_values = [v[0].numpy() for v in self.pf.values]
-        g = hf.HfDecoder(self.model).geometry()
-        L = g["num_layers"]
         rows = []
         for name, (press_cls, preset, equivalent, agree) in COMPARE.items():
-            press = press_cls(compression_ratio=ratio)
-            cache = transformers.DynamicCache(config=self.model.config)
-            with press(self.model), torch.no_grad():
-                self.model.model(input_ids=self.ctx_ids, past_key_values=cache)
-            theirs = [kept_from_keys(plain_keys[l], cache.layers[l].keys[0].numpy()) for l in range(L)]
+            pf, theirs = self.press_and_prefill(self.model, press_cls(compression_ratio=ratio), self.pf)
             result = {}
             for label, spec in (("preset", sim.policy(preset)),
                                 ("equivalent", sim.policy(preset, rename=f"{preset}-kvpress", **equivalent))):
-                c = select.PrefillCompressor(spec, f"{n_kept}tok", num_layers=L, num_q_heads=g["num_q_heads"],
-                                             num_kv_heads=g["num_kv_heads"], head_dim=g["head_dim"],
-                                             modality=[0] * self.T)
-                same, jac = 0, []
-                for l in range(L):
-                    sel = c.compress_layer(l, qs[l], plain_keys[l], plain_values[l])
-                    for h, mine in enumerate(sel.kept):
-                        a, b = set(int(x) for x in mine), set(theirs[l][h])
-                        same += a == b
-                        jac.append(len(a & b) / len(a | b))
-                result[label] = (same, float(np.mean(jac)))
-            heads = L * g["num_kv_heads"]
+                result[label] = self.agreement(spec, pf, theirs, n_kept)
             rows.append((name, press_cls.__name__, heads, result))
             print(f"{name}: {press_cls.__name__} at compression_ratio {ratio} (T {self.T}, {n_kept} kept): "
                   f"preset identical {result['preset'][0]}/{heads} (mean Jaccard {result['preset'][1]:.3f}), "
@@ -170,6 +202,35 @@ class KvpressInterop(unittest.TestCase):
                 self.assertEqual(result["equivalent"][0], heads, name)
             elif COMPARE[name][3] == "close":
                 self.assertGreaterEqual(result["equivalent"][1], 0.99, name)
+
+    def test_observed_attention_press_against_h2o(self):
+        # ObservedAttentionPress reads the attention weights, which only eager attention returns: the same
+        # ids prefilled once more in an eager copy of the model, kvscope's policies on that prefill's q, k, v.
+        from kvscope import stages
+        eager = transformers.AutoModelForCausalLM.from_pretrained(str(MODEL), dtype=torch.float32,
+                                                                  attn_implementation="eager").eval()
+        n_kept = max(1, int(self.T * (1 - RATIO)))
+        pf, theirs = self.press_and_prefill(eager, kvpress.ObservedAttentionPress(compression_ratio=RATIO))
+        stages.register_scorer("observed-attention-py", observed_attention_scores,
+                               meaning="kvpress ObservedAttentionPress's score in numpy", preset=False)
+        g = hf.HfDecoder(eager).geometry()
+        heads = g["num_layers"] * g["num_kv_heads"]
+        result = {
+            "h2o": self.agreement(sim.policy("h2o"), pf, theirs, n_kept),
+            "h2o, recent_fraction 0": self.agreement(
+                sim.policy("h2o", recent_fraction=0, rename="h2o-no-recent"), pf, theirs, n_kept),
+            "kvpress's score as a Python scorer": self.agreement(
+                sim.policy("h2o", scorer="observed-attention-py", recent_fraction=0, rename="observed-attention-py"),
+                pf, theirs, n_kept),
+        }
+        print(f"h2o: ObservedAttentionPress at compression_ratio {RATIO} (eager prefill, T {self.T}, {n_kept} kept): "
+              + "; ".join(f"{k} identical {v[0]}/{heads} (mean Jaccard {v[1]:.3f})" for k, v in result.items()),
+              flush=True)
+        # The normalisation by T - t (and nothing forced) is the whole difference: kvpress's score computed
+        # in Python and run through kvscope's selection keeps kvpress's sets.
+        self.assertEqual(result["kvpress's score as a Python scorer"][0], heads)
+        # and it is a difference: h2o's plain sum keeps other sets
+        self.assertLess(result["h2o, recent_fraction 0"][0], heads)
 
 
 if __name__ == "__main__":
