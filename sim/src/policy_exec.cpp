@@ -226,25 +226,29 @@ LayerResult execute_selection(const PolicySpec& p, const LayerSelection& sel, La
   std::vector<std::string> head_errors(static_cast<std::size_t>(Hw));
 #pragma omp parallel
   {
-    std::vector<float> sk, sv, qbuf;  // [K + S, D]: context slots, then the decode tokens
-    std::vector<std::int32_t> sn, t2s;
-    std::vector<std::uint8_t> smod;
-    EvalScratch scratch;
+    PooledScratch pooled;  // reused across points (evaluation.hpp)
+    EvalScratch& scratch = *pooled;
+    std::vector<float>& sk = scratch.sk;  // [K + S, D]: context slots, then the decode tokens
+    std::vector<float>& sv = scratch.sv;
+    std::vector<float>& qbuf = scratch.qbuf;
+    std::vector<std::int32_t>& sn = scratch.sn;
+    std::vector<std::int32_t>& t2s = scratch.t2s;
+    std::vector<std::uint8_t>& smod = scratch.smod;
 #pragma omp for schedule(dynamic)
     for (int w = 0; w < Hw; ++w) {
       try {
         const int K = counts[static_cast<std::size_t>(w)];
         const std::size_t rows = static_cast<std::size_t>(K) + static_cast<std::size_t>(S);
         const std::int32_t* kw = &kept[static_cast<std::size_t>(w) * k];
-        sk.resize(rows * D);
-        sv.resize(rows * D);
-        sn.assign(rows, 1);
         std::int32_t* t2 = &tok2slot[static_cast<std::size_t>(w) * T];
         if (!evaluate && !merging && !p.key_quant) {  // selection only: budget_batch.cpp evaluates
           for (int s = 0; s < K; ++s) t2[kw[s]] = s;
           head_bytes[static_cast<std::size_t>(w)].kv = 2ll * K * D * elem;
           continue;
         }
+        sk.resize(rows * D);
+        sv.resize(rows * D);
+        sn.assign(rows, 1);
         ex.execute(view, T, kwork[static_cast<std::size_t>(w)], vwork[static_cast<std::size_t>(w)], kw, K,
                    merging ? &sel.importance[static_cast<std::size_t>(w) * T] : nullptr,
                    stages::SlotOutput{sk.data(), sv.data(), sn.data(), t2});
