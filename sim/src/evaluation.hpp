@@ -76,6 +76,9 @@ struct EvalScratch {
   std::vector<float> sk, sv, qbuf;
   std::vector<std::int32_t> sn, t2s;
   std::vector<std::uint8_t> smod;
+  // The kept tokens' per-token codes, scales and zero points gathered from LayerData::token_codes.
+  std::vector<std::uint8_t> codes;
+  std::vector<float> scales, zeros;
 };
 
 // An EvalScratch for the calling thread. While a ScratchPoolScope is open (run_sweep opens one) it comes
