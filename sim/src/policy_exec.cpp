@@ -255,9 +255,12 @@ LayerResult execute_selection(const PolicySpec& p, const LayerSelection& sel, La
   const std::vector<float>& vall = L.v_all();
   const std::size_t SD = static_cast<std::size_t>(S) * static_cast<std::size_t>(D);
   const std::size_t stride = (static_cast<std::size_t>(T) + static_cast<std::size_t>(S)) * D;  // kall's head stride
-  // Per-token codes of this layer (prepared by a sweep), for a quantizing point that does not merge.
+  // Per-token codes of this layer (prepared by a sweep), for a quantizing point that does not merge; asked
+  // for by the points LayerData::prepare_token_codes counts as users, and by no other.
   std::shared_ptr<const LayerData::TokenCodes> kcodes, vcodes;
-  if (p.key_quant && p.value_quant && !merging && ctx.backend->kind() == BackendKind::kCpu) {
+  if (p.key_quant && p.value_quant && !merging && p.mode == PolicyMode::kPrefill &&
+      (!p.compress_tokens || (!executor.merges() && p.stages.head_merge == "none")) &&
+      ctx.backend->kind() == BackendKind::kCpu) {
     kcodes = L.token_codes(*p.key_quant, false);
     vcodes = L.token_codes(*p.value_quant, true);
   }
@@ -315,8 +318,7 @@ LayerResult execute_selection(const PolicySpec& p, const LayerSelection& sel, La
             const kernels::QuantSpec& q = kv == 0 ? *p.key_quant : *p.value_quant;
             const LayerData::TokenCodes& c = kv == 0 ? *kcodes : *vcodes;
             std::vector<float>& data = kv == 0 ? sk : sv;
-            const float* rows_w = kwork[static_cast<std::size_t>(w)];
-            if (kv == 1) rows_w = vwork[static_cast<std::size_t>(w)];
+            const float* rows_w = kv == 0 ? kwork[static_cast<std::size_t>(w)] : vwork[static_cast<std::size_t>(w)];
             const bool rows_exact = gather_dequantize(c, w, T, D, q.residual_tokens, kw, K, rows_w, scratch, data.data());
             exact = exact && rows_exact;
             const auto qb = kernels::quantized_bytes(q, 1, K, D, ctx.dtype);
@@ -329,28 +331,26 @@ LayerResult execute_selection(const PolicySpec& p, const LayerSelection& sel, La
           ex.execute(view, T, kwork[static_cast<std::size_t>(w)], vwork[static_cast<std::size_t>(w)], kw, K,
                      merging ? &sel.importance[static_cast<std::size_t>(w) * T] : nullptr,
                      stages::SlotOutput{sk.data(), sv.data(), sn.data(), t2});
-        }
-        if (from_codes) {
-          // the slots and their bytes are done
-        } else if (p.key_quant && K > 0) {
-          const std::size_t KD = static_cast<std::size_t>(K) * D;
-          qbuf.resize(KD);
-          for (int kv = 0; kv < 2; ++kv) {
-            const kernels::QuantSpec& q = kv == 0 ? *p.key_quant : *p.value_quant;
-            std::vector<float>& data = kv == 0 ? sk : sv;
-            const kernels::QuantShape qs{1, K, D, kernels::DType::kF32};
-            check(ctx.backend->quantize_dequantize(q, qs, data.data(), qbuf.data()), "quantize");
-            exact = exact && std::equal(qbuf.begin(), qbuf.begin() + static_cast<std::ptrdiff_t>(KD),
-                                        data.begin());
-            std::copy_n(qbuf.begin(), KD, data.begin());
-            const auto qb = kernels::quantized_bytes(q, 1, K, D, ctx.dtype);
-            b.kv += qb.codes;
-            b.scales += qb.scales;
-            b.zeros += qb.zeros;
-            b.residual += qb.residual;
+          if (p.key_quant && K > 0) {
+            const std::size_t KD = static_cast<std::size_t>(K) * D;
+            qbuf.resize(KD);
+            for (int kv = 0; kv < 2; ++kv) {
+              const kernels::QuantSpec& q = kv == 0 ? *p.key_quant : *p.value_quant;
+              std::vector<float>& data = kv == 0 ? sk : sv;
+              const kernels::QuantShape qs{1, K, D, kernels::DType::kF32};
+              check(ctx.backend->quantize_dequantize(q, qs, data.data(), qbuf.data()), "quantize");
+              exact = exact && std::equal(qbuf.begin(), qbuf.begin() + static_cast<std::ptrdiff_t>(KD),
+                                          data.begin());
+              std::copy_n(qbuf.begin(), KD, data.begin());
+              const auto qb = kernels::quantized_bytes(q, 1, K, D, ctx.dtype);
+              b.kv += qb.codes;
+              b.scales += qb.scales;
+              b.zeros += qb.zeros;
+              b.residual += qb.residual;
+            }
+          } else {
+            b.kv = 2ll * K * D * elem;
           }
-        } else {
-          b.kv = 2ll * K * D * elem;
         }
         if (merging) b.multiplicity = 4ll * K;
         if (compressed) {  // closed loop: the slots as evaluated (before the decode tokens are appended)
