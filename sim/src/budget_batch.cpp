@@ -34,9 +34,16 @@ void evaluate_alone(LayerData& L, const TraceContext& ctx, int h, const std::vec
   const std::size_t stride = static_cast<std::size_t>(T + S) * D;
   const float* kh = L.k_all().data() + static_cast<std::size_t>(h) * stride;
   const float* vh = L.v_all().data() + static_cast<std::size_t>(h) * stride;
-  std::vector<float> sk(static_cast<std::size_t>(K + S) * D), sv(sk.size());
-  std::vector<std::int32_t> sn(static_cast<std::size_t>(K + S), 1), t2s(static_cast<std::size_t>(T + S), -1);
-  std::vector<std::uint8_t> smod(static_cast<std::size_t>(K + S), 0);
+  std::vector<float>& sk = scratch.sk;
+  std::vector<float>& sv = scratch.sv;
+  std::vector<std::int32_t>& sn = scratch.sn;
+  std::vector<std::int32_t>& t2s = scratch.t2s;
+  std::vector<std::uint8_t>& smod = scratch.smod;
+  sk.resize(static_cast<std::size_t>(K + S) * D);
+  sv.resize(sk.size());
+  sn.assign(static_cast<std::size_t>(K + S), 1);
+  t2s.assign(static_cast<std::size_t>(T + S), -1);
+  smod.assign(static_cast<std::size_t>(K + S), 0);
   for (int s = 0; s < K + S; ++s) {
     const int t = s < K ? kept[static_cast<std::size_t>(s)] : T + (s - K);
     std::copy_n(kh + static_cast<std::size_t>(t) * D, D, &sk[static_cast<std::size_t>(s) * D]);
@@ -235,7 +242,8 @@ std::vector<LayerResult> run_budgets_on_layer(const PolicySpec& p, const std::ve
   }
   L.prepare_steps();
   L.answer_topk();  // before the parallel evaluation reads it
-  EvalScratch scratch;
+  PooledScratch pooled;  // reused across points (evaluation.hpp)
+  EvalScratch& scratch = *pooled;
   for (int h = 0; h < H; ++h) {
     std::vector<const std::vector<std::int32_t>*> sets(B);
     std::vector<Quality*> out(B);

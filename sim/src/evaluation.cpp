@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <mutex>
 #include <stdexcept>
+#include <utility>
 #include <vector>
 
 namespace kvscope::sim {
@@ -70,7 +72,48 @@ void add_topk_survival(LayerData& L, int h, const std::int32_t* token_to_slot, d
   q.proxies.topk_mass = top.mass[static_cast<std::size_t>(h)];
 }
 
+struct ScratchPool {
+  std::mutex mutex;
+  int scopes = 0;
+  std::vector<std::unique_ptr<EvalScratch>> idle;
+};
+ScratchPool& scratch_pool() {
+  static ScratchPool pool;
+  return pool;
+}
+
 }  // namespace
+
+PooledScratch::PooledScratch() {
+  ScratchPool& pool = scratch_pool();
+  {
+    const std::lock_guard<std::mutex> lock(pool.mutex);
+    if (!pool.idle.empty()) {
+      s_ = std::move(pool.idle.back());
+      pool.idle.pop_back();
+    }
+  }
+  if (!s_) s_ = std::make_unique<EvalScratch>();
+}
+
+PooledScratch::~PooledScratch() {
+  ScratchPool& pool = scratch_pool();
+  const std::lock_guard<std::mutex> lock(pool.mutex);
+  if (pool.scopes > 0) pool.idle.push_back(std::move(s_));
+}
+
+ScratchPoolScope::ScratchPoolScope() {
+  ScratchPool& pool = scratch_pool();
+  const std::lock_guard<std::mutex> lock(pool.mutex);
+  ++pool.scopes;
+}
+
+ScratchPoolScope::~ScratchPoolScope() {
+  ScratchPool& pool = scratch_pool();
+  std::vector<std::unique_ptr<EvalScratch>> drop;  // freed outside the lock
+  const std::lock_guard<std::mutex> lock(pool.mutex);
+  if (--pool.scopes == 0) drop.swap(pool.idle);
+}
 
 void add_step_rows(LayerData& L, const TraceContext& ctx, int h, int s, const float* err, const float* rec,
                    const float* kl, const float* dent, const float* recm, const float* mfull, const float* mcomp,

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "kvscope/sim/engine.hpp"
@@ -69,6 +70,43 @@ struct EvalScratch {
   std::vector<double> csum, cent, cmass;                  // [R], [R], [R, 4]
   std::vector<int> surv_token, surv_runs, slot_runs;      // surviving token ids, run boundaries
   RowMetrics rows;
+  // The compressed cache of one working head as the engines build it (policy_exec.cpp, budget_batch.cpp):
+  // slot keys / values then the decode tokens [K + S, D], the quantizer's output [K, D], multiplicities,
+  // token -> slot [T + S] and slot modalities. Each user sizes and writes them in full before reading.
+  std::vector<float> sk, sv, qbuf;
+  std::vector<std::int32_t> sn, t2s;
+  std::vector<std::uint8_t> smod;
+  // The kept tokens' per-token codes, scales and zero points gathered from LayerData::token_codes.
+  std::vector<std::uint8_t> codes;
+  std::vector<float> scales, zeros;
+};
+
+// An EvalScratch for the calling thread. While a ScratchPoolScope is open (run_sweep opens one) it comes
+// from a process-wide pool and goes back to it on destruction, so that a sweep allocates its [T, D]-sized
+// buffers once per thread instead of once per point (or head): kvsim maps blocks of 4 MiB and more on
+// their own (cli::release_large_blocks_promptly), so every fresh buffer was page-faulted in and zeroed
+// again (docs/perf.md "Long traces"). Without an open scope it is a fresh EvalScratch, freed at the end.
+class PooledScratch {
+ public:
+  PooledScratch();
+  ~PooledScratch();
+  PooledScratch(const PooledScratch&) = delete;
+  PooledScratch& operator=(const PooledScratch&) = delete;
+  EvalScratch& operator*() { return *s_; }
+  EvalScratch* operator->() { return s_.get(); }
+
+ private:
+  std::unique_ptr<EvalScratch> s_;
+};
+
+// Keeps the PooledScratch pool alive while at least one scope is open; the last one to close frees the
+// idle scratches. The pool holds at most one scratch per thread that ran an engine inside the scopes.
+class ScratchPoolScope {
+ public:
+  ScratchPoolScope();
+  ~ScratchPoolScope();
+  ScratchPoolScope(const ScratchPoolScope&) = delete;
+  ScratchPoolScope& operator=(const ScratchPoolScope&) = delete;
 };
 
 struct PrefillProblem {

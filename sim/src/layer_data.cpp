@@ -8,6 +8,7 @@
 #include "exec_util.hpp"
 #include "kvscope/kernels/attention_stats.hpp"
 #include "kvscope/kernels/head_merge.hpp"
+#include "kvscope/kernels/quantize.hpp"
 #include "kvscope/kernels/scores.hpp"
 #include "kvscope/sim/engine.hpp"
 #include "kvscope/trace/aggregates.hpp"
@@ -690,6 +691,97 @@ void LayerData::prepare_and_release(const std::vector<const PolicySpec*>& polici
   for (const PolicySpec* p : policies) prepare_prefill_statistics(*p);
   release_prefill();
   for (const PolicySpec* p : policies) prepare_float_statistics(*p);
+  prepare_token_codes(policies);
+}
+
+namespace {
+bool same_codes(const kernels::QuantSpec& a, const kernels::QuantSpec& b) {  // residual tokens aside
+  return a.bits == b.bits && a.symmetric == b.symmetric && a.granularity == b.granularity &&
+         a.group_size == b.group_size;
+}
+}  // namespace
+
+LayerData::TokenCodesEntry* LayerData::find_token_codes(const kernels::QuantSpec& spec, bool values) {
+  for (TokenCodesEntry& e : token_codes_->entries)
+    if (e.values == values && same_codes(e.spec, spec)) return &e;
+  return nullptr;
+}
+
+void LayerData::prepare_token_codes(const std::vector<const PolicySpec*>& policies) {
+  if (ctx_.backend->kind() != BackendKind::kCpu) return;
+  // Points that quantize their slots per token without merging (the slots are then kept tokens).
+  std::vector<TokenCodesEntry> wanted;
+  for (const PolicySpec* p : policies) {
+    if (p->mode != PolicyMode::kPrefill || !p->key_quant || !p->value_quant) continue;
+    if (p->compress_tokens && (stages::executor_of(*p).merges() || p->stages.head_merge != "none")) continue;
+    for (int kv = 0; kv < 2; ++kv) {
+      const kernels::QuantSpec& q = kv == 0 ? *p->key_quant : *p->value_quant;
+      if (q.granularity != kernels::Granularity::kPerToken) continue;
+      TokenCodesEntry* e = nullptr;
+      for (TokenCodesEntry& w : wanted)
+        if (w.values == (kv == 1) && same_codes(w.spec, q)) e = &w;
+      if (!e) {
+        wanted.push_back({q, kv == 1, 0, nullptr});
+        wanted.back().spec.residual_tokens = 0;
+        e = &wanted.back();
+      }
+      ++e->users;
+    }
+  }
+  const int H = ctx_.geometry.num_kv_heads, D = ctx_.geometry.head_dim, T = ctx_.T;
+  const std::size_t stride = (static_cast<std::size_t>(T) + static_cast<std::size_t>(ctx_.S)) * D;
+  std::vector<float> deq;
+  for (TokenCodesEntry& w : wanted) {
+    if (w.users < 2 || find_token_codes(w.spec, w.values) || T <= 0) continue;
+    const kernels::QuantShape qs{1, T, D, kernels::DType::kF32};
+    kernels::QuantLayout lay;
+    detail::check(kernels::quant_layout(w.spec, qs, &lay), "quantize (per-token codes)");
+    auto c = std::make_shared<TokenCodes>();
+    c->spec = w.spec;
+    c->row_bytes = lay.row_bytes;
+    c->groups = lay.groups_per_row;
+    c->codes.resize(static_cast<std::size_t>(H) * static_cast<std::size_t>(lay.code_bytes));
+    c->scales.resize(static_cast<std::size_t>(H) * static_cast<std::size_t>(lay.num_groups));
+    if (!w.spec.symmetric) c->zeros.resize(c->scales.size());
+    c->exact.assign(static_cast<std::size_t>(H) * static_cast<std::size_t>(T), 0);
+    deq.resize(static_cast<std::size_t>(T) * D);
+    const std::vector<float>& x = w.values ? v_all() : k_all();
+    for (int h = 0; h < H; ++h) {
+      const float* xh = x.data() + static_cast<std::size_t>(h) * stride;
+      const std::size_t g0 = static_cast<std::size_t>(h) * static_cast<std::size_t>(lay.num_groups);
+      kernels::QuantBuffers out;
+      out.codes = c->codes.data() + static_cast<std::size_t>(h) * static_cast<std::size_t>(lay.code_bytes);
+      out.scales = c->scales.data() + g0;
+      out.zeros = w.spec.symmetric ? nullptr : c->zeros.data() + g0;
+      detail::check(kernels::cpu::quantize(w.spec, qs, xh, out), "quantize (per-token codes)");
+      detail::check(kernels::cpu::dequantize(w.spec, qs, kernels::as_const(out), deq.data()),
+                    "dequantize (per-token codes)");
+      for (int t = 0; t < T; ++t) {
+        const std::size_t o = static_cast<std::size_t>(t) * D;
+        c->exact[static_cast<std::size_t>(h) * T + static_cast<std::size_t>(t)] =
+            std::equal(deq.begin() + static_cast<std::ptrdiff_t>(o), deq.begin() + static_cast<std::ptrdiff_t>(o + D),
+                       xh + o)
+                ? 1
+                : 0;
+      }
+    }
+    w.codes = std::move(c);
+    token_codes_->entries.push_back(std::move(w));
+  }
+}
+
+std::shared_ptr<const LayerData::TokenCodes> LayerData::token_codes(const kernels::QuantSpec& spec, bool values) {
+  if (spec.granularity != kernels::Granularity::kPerToken) return nullptr;
+  const std::lock_guard<std::mutex> lock(token_codes_->mutex);
+  const TokenCodesEntry* e = find_token_codes(spec, values);
+  return e ? e->codes : nullptr;
+}
+
+void LayerData::token_codes_done(const kernels::QuantSpec& spec, bool values) {
+  std::shared_ptr<const TokenCodes> drop;  // freed outside the lock
+  const std::lock_guard<std::mutex> lock(token_codes_->mutex);
+  TokenCodesEntry* e = find_token_codes(spec, values);
+  if (e && e->codes && --e->users <= 0) drop = std::move(e->codes);
 }
 
 void LayerData::prepare(const PolicySpec& p) {

@@ -177,6 +177,43 @@ LayerSelection select_on_layer(const PolicySpec& p, double keep, LayerData& L, T
   return sel;
 }
 
+namespace {
+
+// Slots [K, D] of kept tokens `kw` (ascending) of kv head w from their per-token codes: the first
+// K - min(residual, K) dequantized, the rest copied from `rows` ([T, D] float32, the full-precision
+// residual), exactly as quantize_dequantize of the gathered rows with `residual` tokens writes them.
+// Returns whether every slot equals its float32 row.
+bool gather_dequantize(const LayerData::TokenCodes& c, int w, int T, int D, int residual, const std::int32_t* kw,
+                       int K, const float* rows, EvalScratch& scratch, float* out) {
+  const int Kq = K - std::min(residual, K);
+  bool exact = true;
+  if (Kq > 0) {
+    const std::size_t rb = static_cast<std::size_t>(c.row_bytes), g = static_cast<std::size_t>(c.groups);
+    const std::size_t head = static_cast<std::size_t>(w) * static_cast<std::size_t>(T);
+    scratch.codes.resize(static_cast<std::size_t>(Kq) * rb);
+    scratch.scales.resize(static_cast<std::size_t>(Kq) * g);
+    if (!c.zeros.empty()) scratch.zeros.resize(static_cast<std::size_t>(Kq) * g);
+    for (int s = 0; s < Kq; ++s) {
+      const std::size_t t = head + static_cast<std::size_t>(kw[s]);
+      std::copy_n(&c.codes[t * rb], rb, &scratch.codes[static_cast<std::size_t>(s) * rb]);
+      std::copy_n(&c.scales[t * g], g, &scratch.scales[static_cast<std::size_t>(s) * g]);
+      if (!c.zeros.empty()) std::copy_n(&c.zeros[t * g], g, &scratch.zeros[static_cast<std::size_t>(s) * g]);
+      exact = exact && c.exact[t] != 0;
+    }
+    kernels::QuantConstBuffers in;
+    in.codes = scratch.codes.data();
+    in.scales = scratch.scales.data();
+    in.zeros = c.zeros.empty() ? nullptr : scratch.zeros.data();
+    check(kernels::cpu::dequantize(c.spec, kernels::QuantShape{1, Kq, D, kernels::DType::kF32}, in, out),
+          "dequantize");
+  }
+  for (int s = Kq; s < K; ++s)
+    std::copy_n(rows + static_cast<std::size_t>(kw[s]) * D, D, out + static_cast<std::size_t>(s) * D);
+  return exact;
+}
+
+}  // namespace
+
 LayerResult execute_selection(const PolicySpec& p, const LayerSelection& sel, LayerData& L, TraceContext& ctx,
                               bool record_tokens, CompressedLayer* compressed, bool evaluate) {
   const stages::LayerView view(p, L, ctx);
@@ -217,6 +254,25 @@ LayerResult execute_selection(const PolicySpec& p, const LayerSelection& sel, La
   const std::vector<float>& kall = L.k_all();
   const std::vector<float>& vall = L.v_all();
   const std::size_t SD = static_cast<std::size_t>(S) * static_cast<std::size_t>(D);
+  const std::size_t stride = (static_cast<std::size_t>(T) + static_cast<std::size_t>(S)) * D;  // kall's head stride
+  // Per-token codes of this layer (prepared by a sweep), for a quantizing point that does not merge; asked
+  // for by the points LayerData::prepare_token_codes counts as users, and by no other.
+  std::shared_ptr<const LayerData::TokenCodes> kcodes, vcodes;
+  if (p.key_quant && p.value_quant && !merging && p.mode == PolicyMode::kPrefill &&
+      (!p.compress_tokens || (!executor.merges() && p.stages.head_merge == "none")) &&
+      ctx.backend->kind() == BackendKind::kCpu) {
+    kcodes = L.token_codes(*p.key_quant, false);
+    vcodes = L.token_codes(*p.value_quant, true);
+  }
+  struct CodesDone {  // gives the codes back however this function ends
+    LayerData& L;
+    const PolicySpec& p;
+    bool k, v;
+    ~CodesDone() {
+      if (k) L.token_codes_done(*p.key_quant, false);
+      if (v) L.token_codes_done(*p.value_quant, true);
+    }
+  } codes_done{L, p, kcodes != nullptr, vcodes != nullptr};
   if (compressed) {  // closed loop (issue 6): the compressed cache is returned too
     compressed->cluster = cluster;
     compressed->heads.assign(static_cast<std::size_t>(Hw), {});
@@ -226,41 +282,45 @@ LayerResult execute_selection(const PolicySpec& p, const LayerSelection& sel, La
   std::vector<std::string> head_errors(static_cast<std::size_t>(Hw));
 #pragma omp parallel
   {
-    std::vector<float> sk, sv, qbuf;  // [K + S, D]: context slots, then the decode tokens
-    std::vector<std::int32_t> sn, t2s;
-    std::vector<std::uint8_t> smod;
-    EvalScratch scratch;
+    PooledScratch pooled;  // reused across points (evaluation.hpp)
+    EvalScratch& scratch = *pooled;
+    std::vector<float>& sk = scratch.sk;  // [K + S, D]: context slots, then the decode tokens
+    std::vector<float>& sv = scratch.sv;
+    std::vector<float>& qbuf = scratch.qbuf;
+    std::vector<std::int32_t>& sn = scratch.sn;
+    std::vector<std::int32_t>& t2s = scratch.t2s;
+    std::vector<std::uint8_t>& smod = scratch.smod;
 #pragma omp for schedule(dynamic)
     for (int w = 0; w < Hw; ++w) {
       try {
         const int K = counts[static_cast<std::size_t>(w)];
         const std::size_t rows = static_cast<std::size_t>(K) + static_cast<std::size_t>(S);
         const std::int32_t* kw = &kept[static_cast<std::size_t>(w) * k];
-        sk.resize(rows * D);
-        sv.resize(rows * D);
-        sn.assign(rows, 1);
         std::int32_t* t2 = &tok2slot[static_cast<std::size_t>(w) * T];
         if (!evaluate && !merging && !p.key_quant) {  // selection only: budget_batch.cpp evaluates
           for (int s = 0; s < K; ++s) t2[kw[s]] = s;
           head_bytes[static_cast<std::size_t>(w)].kv = 2ll * K * D * elem;
           continue;
         }
-        ex.execute(view, T, kwork[static_cast<std::size_t>(w)], vwork[static_cast<std::size_t>(w)], kw, K,
-                   merging ? &sel.importance[static_cast<std::size_t>(w) * T] : nullptr,
-                   stages::SlotOutput{sk.data(), sv.data(), sn.data(), t2});
+        sk.resize(rows * D);
+        sv.resize(rows * D);
+        sn.assign(rows, 1);
         Bytes& b = head_bytes[static_cast<std::size_t>(w)];
         bool exact = !merging;  // context slots = the kept tokens, exact (evaluation reuse, evaluation.hpp)
-        if (p.key_quant && K > 0) {
-          const std::size_t KD = static_cast<std::size_t>(K) * D;
-          qbuf.resize(KD);
+        // The slots are kept token rows of kv head w itself: their per-token codes, quantized once per
+        // layer (LayerData::token_codes), are dequantized instead of quantizing the rows again.
+        const bool from_codes = kcodes && vcodes && K > 0 &&
+                                kwork[static_cast<std::size_t>(w)] == kall.data() + static_cast<std::size_t>(w) * stride &&
+                                vwork[static_cast<std::size_t>(w)] == vall.data() + static_cast<std::size_t>(w) * stride;
+        if (from_codes) {
+          for (int s = 0; s < K; ++s) t2[kw[s]] = s;  // the evict executor's token -> slot
           for (int kv = 0; kv < 2; ++kv) {
             const kernels::QuantSpec& q = kv == 0 ? *p.key_quant : *p.value_quant;
+            const LayerData::TokenCodes& c = kv == 0 ? *kcodes : *vcodes;
             std::vector<float>& data = kv == 0 ? sk : sv;
-            const kernels::QuantShape qs{1, K, D, kernels::DType::kF32};
-            check(ctx.backend->quantize_dequantize(q, qs, data.data(), qbuf.data()), "quantize");
-            exact = exact && std::equal(qbuf.begin(), qbuf.begin() + static_cast<std::ptrdiff_t>(KD),
-                                        data.begin());
-            std::copy_n(qbuf.begin(), KD, data.begin());
+            const float* rows_w = kv == 0 ? kwork[static_cast<std::size_t>(w)] : vwork[static_cast<std::size_t>(w)];
+            const bool rows_exact = gather_dequantize(c, w, T, D, q.residual_tokens, kw, K, rows_w, scratch, data.data());
+            exact = exact && rows_exact;
             const auto qb = kernels::quantized_bytes(q, 1, K, D, ctx.dtype);
             b.kv += qb.codes;
             b.scales += qb.scales;
@@ -268,7 +328,29 @@ LayerResult execute_selection(const PolicySpec& p, const LayerSelection& sel, La
             b.residual += qb.residual;
           }
         } else {
-          b.kv = 2ll * K * D * elem;
+          ex.execute(view, T, kwork[static_cast<std::size_t>(w)], vwork[static_cast<std::size_t>(w)], kw, K,
+                     merging ? &sel.importance[static_cast<std::size_t>(w) * T] : nullptr,
+                     stages::SlotOutput{sk.data(), sv.data(), sn.data(), t2});
+          if (p.key_quant && K > 0) {
+            const std::size_t KD = static_cast<std::size_t>(K) * D;
+            qbuf.resize(KD);
+            for (int kv = 0; kv < 2; ++kv) {
+              const kernels::QuantSpec& q = kv == 0 ? *p.key_quant : *p.value_quant;
+              std::vector<float>& data = kv == 0 ? sk : sv;
+              const kernels::QuantShape qs{1, K, D, kernels::DType::kF32};
+              check(ctx.backend->quantize_dequantize(q, qs, data.data(), qbuf.data()), "quantize");
+              exact = exact && std::equal(qbuf.begin(), qbuf.begin() + static_cast<std::ptrdiff_t>(KD),
+                                          data.begin());
+              std::copy_n(qbuf.begin(), KD, data.begin());
+              const auto qb = kernels::quantized_bytes(q, 1, K, D, ctx.dtype);
+              b.kv += qb.codes;
+              b.scales += qb.scales;
+              b.zeros += qb.zeros;
+              b.residual += qb.residual;
+            }
+          } else {
+            b.kv = 2ll * K * D * elem;
+          }
         }
         if (merging) b.multiplicity = 4ll * K;
         if (compressed) {  // closed loop: the slots as evaluated (before the decode tokens are appended)

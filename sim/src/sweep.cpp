@@ -10,6 +10,7 @@
 
 #include "alloc_search.hpp"
 #include "budget_batch.hpp"
+#include "evaluation.hpp"
 
 namespace kvscope::sim {
 
@@ -255,6 +256,7 @@ void require_replayable(const trace::TraceReader& reader, const std::string& who
 SweepOutput run_sweep(const trace::TraceReader& reader, const std::vector<SweepPoint>& requested,
                       const SweepOptions& options) {
   SweepOutput out;
+  const ScratchPoolScope scratch_pool;  // the points' buffers are reused, not reallocated (evaluation.hpp)
   TraceContext ctx = TraceContext::from_reader(reader);
   if (options.backend) ctx.backend = options.backend;
   require_replayable(reader, "replaying a trace");

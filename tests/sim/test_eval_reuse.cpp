@@ -285,3 +285,42 @@ TEST(BudgetBatch, SweepWithAndWithoutBatchingAgree) {
   }
   EXPECT_EQ(x.warnings, y.warnings);
 }
+
+// Per-token codes (LayerData::prepare_token_codes): points that share a per-token quantizer dequantize
+// codes quantized once per layer; each point swept alone quantizes its own kept tokens. Same results
+// bit for bit, bytes included.
+TEST(TokenCodes, SharedCodesGiveTheResultsOfPointsSweptAlone) {
+  trace::TraceReader reader(trace_path());
+  PolicyRegistry reg;
+  std::vector<SweepPoint> points;
+  for (const char* n : {"int8", "int4", "kivi2"}) points.push_back({reg.get(n), Budget{}});
+  for (const char* n : {"h2o+int8", "snapkv+int4", "h2o+kivi2", "look-m+int8"})
+    for (const char* b : {"0.3", "0.6"}) points.push_back({reg.get(n), parse_budget(b)});
+  SweepOptions o;
+  o.alloc_search.enabled = false;
+  o.bound.enabled = false;
+  const SweepOutput all = run_sweep(reader, points, o);
+  ASSERT_EQ(all.points.size(), points.size());
+  for (std::size_t i = 0; i < points.size(); ++i) {
+    const SweepOutput one = run_sweep(reader, {points[i]}, o);
+    ASSERT_EQ(one.points.size(), 1u);
+    const PointResult& a = all.points[i];
+    const PointResult& b = one.points[0];
+    SCOPED_TRACE(a.policy + "@" + a.budget);
+    ASSERT_EQ(a.layers.size(), b.layers.size());
+    for (std::size_t l = 0; l < a.layers.size(); ++l) {
+      ASSERT_EQ(a.layers[l].heads.size(), b.layers[l].heads.size());
+      for (std::size_t h = 0; h < a.layers[l].heads.size(); ++h) {
+        const HeadResult& x = a.layers[l].heads[h];
+        const HeadResult& y = b.layers[l].heads[h];
+        EXPECT_EQ(x.bytes_kept.total(), y.bytes_kept.total());
+        EXPECT_EQ(x.kept, y.kept);
+        EXPECT_EQ(x.quality.output_error, y.quality.output_error);
+        EXPECT_EQ(x.quality.attention_recall, y.quality.attention_recall);
+        EXPECT_EQ(x.quality.kl, y.quality.kl);
+        EXPECT_EQ(x.quality.entropy_delta, y.quality.entropy_delta);
+        EXPECT_EQ(x.quality.share_after, y.quality.share_after);
+      }
+    }
+  }
+}

@@ -100,13 +100,25 @@ Status merge_tokens(const MergeParams& p, const void* k, const void* v, const st
   for (int h = 0; h < H; ++h) {
     const std::int32_t* kh = kept + (p.shared_kept ? 0 : static_cast<std::size_t>(h) * K);
     const std::size_t head_off = static_cast<std::size_t>(h) * T * D;
-    std::vector<float> keys(static_cast<std::size_t>(T) * D), vals(static_cast<std::size_t>(T) * D);
-    to_float(k, p.dtype, head_off, keys.size(), keys.data());
-    to_float(v, p.dtype, head_off, vals.size(), vals.data());
+    // float32 rows are read in place; other dtypes are converted once per head. (A copy of a float32
+    // head was two [T, D] buffers allocated, zeroed and copied per call: for the simulator, which merges
+    // float32 rows per head and point, most of a long-trace sweep's page faults, docs/perf.md.)
+    std::vector<float> key_buf, val_buf;
+    const float* keys = static_cast<const float*>(k) + head_off;
+    const float* vals = static_cast<const float*>(v) + head_off;
+    if (p.dtype != DType::kF32) {
+      const std::size_t n = static_cast<std::size_t>(T) * D;
+      key_buf.resize(n);
+      val_buf.resize(n);
+      to_float(k, p.dtype, head_off, n, key_buf.data());
+      to_float(v, p.dtype, head_off, n, val_buf.data());
+      keys = key_buf.data();
+      vals = val_buf.data();
+    }
     std::vector<float> key_norm(T), val_norm(T);
     for (int t = 0; t < T; ++t) {
-      const float* kr = keys.data() + static_cast<std::size_t>(t) * D;
-      const float* vr = vals.data() + static_cast<std::size_t>(t) * D;
+      const float* kr = keys + static_cast<std::size_t>(t) * D;
+      const float* vr = vals + static_cast<std::size_t>(t) * D;
       key_norm[t] = std::sqrt(dot(kr, kr, D));
       val_norm[t] = std::sqrt(dot(vr, vr, D));
     }
@@ -126,11 +138,11 @@ Status merge_tokens(const MergeParams& p, const void* k, const void* v, const st
           std::lower_bound(kh, kh + K, lo_pos, [](std::int32_t a, long long b) { return a < b; }) - kh);
       int best_slot = -1;
       float best = 0.0f;
-      const float* kt = keys.data() + static_cast<std::size_t>(t) * D;
+      const float* kt = keys + static_cast<std::size_t>(t) * D;
       for (int s = lo; s < K && kh[s] <= hi_pos; ++s) {
         const int u = kh[s];
         const float denom = key_norm[t] * key_norm[u];
-        float sim = denom > 0.0f ? dot(kt, keys.data() + static_cast<std::size_t>(u) * D, D) / denom : 0.0f;
+        float sim = denom > 0.0f ? dot(kt, keys + static_cast<std::size_t>(u) * D, D) / denom : 0.0f;
         sim = std::min(1.0f, std::max(-1.0f, sim));
         if (best_slot < 0 || sim > best) {  // strict: ties keep the lower slot
           best = sim;
@@ -160,8 +172,8 @@ Status merge_tokens(const MergeParams& p, const void* k, const void* v, const st
       const std::size_t out_off = (static_cast<std::size_t>(h) * K + s) * D;
       multiplicity[static_cast<std::size_t>(h) * K + s] = count;
       if (count == 1) {
-        std::memcpy(k_out + out_off, keys.data() + static_cast<std::size_t>(mem[0]) * D, D * sizeof(float));
-        std::memcpy(v_out + out_off, vals.data() + static_cast<std::size_t>(mem[0]) * D, D * sizeof(float));
+        std::memcpy(k_out + out_off, keys + static_cast<std::size_t>(mem[0]) * D, D * sizeof(float));
+        std::memcpy(v_out + out_off, vals + static_cast<std::size_t>(mem[0]) * D, D * sizeof(float));
         continue;
       }
       float weight_sum = 0.0f;
@@ -173,9 +185,9 @@ Status merge_tokens(const MergeParams& p, const void* k, const void* v, const st
         std::fill(weights.begin(), weights.begin() + count, 1.0f);
         weight_sum = static_cast<float>(count);
       }
-      merge_rows(mem, count, weights.data(), weight_sum, keys.data(), key_norm.data(), D, acc.data(),
+      merge_rows(mem, count, weights.data(), weight_sum, keys, key_norm.data(), D, acc.data(),
                  k_out + out_off);
-      merge_rows(mem, count, weights.data(), weight_sum, vals.data(), val_norm.data(), D, acc.data(),
+      merge_rows(mem, count, weights.data(), weight_sum, vals, val_norm.data(), D, acc.data(),
                  v_out + out_off);
     }
   }

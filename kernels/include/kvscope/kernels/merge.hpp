@@ -29,7 +29,7 @@ namespace cpu {
 //   kept          : [H, K] (or [K] when shared_kept), strictly increasing token indices in [0, T)
 //   importance    : [H, T] float merge weights; values <= 0 or NaN count as 0; nullptr = all 1.
 //                   A slot whose member weights sum to 0 uses uniform weights.
-//   k_out, v_out  : [H, K, D] float32 merged slot keys / values
+//   k_out, v_out  : [H, K, D] float32 merged slot keys / values; must not overlap k or v
 //   multiplicity  : [H, K] int32, 1 + number of evicted tokens merged into the slot
 //   token_to_slot : [H, T] int32, slot index in [0, K) of every token (kept tokens map to their
 //                   own slot), or -1 for a dropped token

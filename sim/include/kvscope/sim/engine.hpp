@@ -9,12 +9,14 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "kvscope/kernels/evaluate.hpp"
+#include "kvscope/kernels/quantize.hpp"
 #include "kvscope/kernels/scores.hpp"
 #include "kvscope/sim/backend.hpp"
 #include "kvscope/sim/policy.hpp"
@@ -177,6 +179,29 @@ class LayerData {
   };
   const MergedHeads& merged_heads(float threshold);
 
+  // Per-token quantization of every context token of every kv head under one spec (per-token
+  // granularity: a token's codes, scales and zero points depend on its own row only), for K or V.
+  // A sweep quantizes each token once per layer and spec this way and every point whose slots are
+  // kept tokens (no merging) dequantizes its kept tokens' codes, instead of quantizing them again at
+  // every budget (kernels::cpu::quantize_dequantize = dequantize(quantize(x)) bit for bit).
+  struct TokenCodes {
+    kernels::QuantSpec spec;           // the points' spec with residual_tokens = 0
+    std::int64_t row_bytes = 0;        // packed code bytes per token
+    std::int64_t groups = 0;           // scales (and zero points) per token
+    std::vector<std::uint8_t> codes;   // [Hkv, T, row_bytes]
+    std::vector<float> scales, zeros;  // [Hkv, T, groups]; zeros only when asymmetric
+    std::vector<std::uint8_t> exact;   // [Hkv, T] 1 where the dequantized row equals the float32 row
+  };
+  // Quantizes, on the CPU backend and outside parallel regions, every (per-token spec, K or V) that at
+  // least two prefill-mode points of `policies` (one entry per point) quantize without merging, and
+  // counts those points as its users.
+  void prepare_token_codes(const std::vector<const PolicySpec*>& policies);
+  // The codes of (spec, K or V) for one user, or nullptr (not prepared, or already released). A caller
+  // given codes calls token_codes_done(spec, values) once when finished with them; the codes are
+  // freed when the last counted user is done (memory: see docs/perf.md "Long traces"). Thread-safe.
+  std::shared_ptr<const TokenCodes> token_codes(const kernels::QuantSpec& spec, bool values);
+  void token_codes_done(const kernels::QuantSpec& spec, bool values);
+
   // A statistic that a stage defines itself (sim/src/stages/), computed once per layer under `key`
   // by compute(*this) and shared by every point. With reads_prefill, compute reads the trace's
   // prefill tensors (prefill()), so it must first run before release_prefill(): from the stage's
@@ -225,6 +250,18 @@ class LayerData {
   bool prefill_released_ = false;
   std::map<float, MergedHeads> merged_;
   std::map<std::string, std::vector<float>> stage_stats_;
+  struct TokenCodesEntry {
+    kernels::QuantSpec spec;  // residual_tokens = 0
+    bool values = false;
+    int users = 0;  // points not yet done with the codes
+    std::shared_ptr<const TokenCodes> codes;
+  };
+  struct TokenCodesState {
+    std::mutex mutex;
+    std::vector<TokenCodesEntry> entries;
+  };
+  std::unique_ptr<TokenCodesState> token_codes_ = std::make_unique<TokenCodesState>();
+  TokenCodesEntry* find_token_codes(const kernels::QuantSpec& spec, bool values);
   void require_prefill(const char* what) const;
   std::optional<trace::LayerAttentionAggregates> stored_;
   trace::AggregateDefinition stored_definition_;  // of stored_
