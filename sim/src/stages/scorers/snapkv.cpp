@@ -19,26 +19,6 @@ kernels::SnapKVParams snap_params(const PolicySpec& p) {
 
 bool split_span(const PolicySpec& p) { return p.params.text("snap_pool_span") == "split"; }
 
-// Pools the rows of sums [heads, len] as snapkv_pool does, but the keys [0, edge) and [edge, len)
-// each on their own: a tap past the edge counts as 0 (avg; divisor still the kernel size) or is
-// skipped (max), as at the ends of a row.
-void pool_split(const std::vector<float>& sums, int heads, int len, int edge, const kernels::SnapKVParams& p,
-                std::vector<float>& out) {
-  out.assign(sums.size(), 0.0f);
-  std::vector<float> in, pooled;
-  for (const auto& [begin, end] : {std::pair<int, int>{0, edge}, std::pair<int, int>{edge, len}}) {
-    const int n = end - begin;
-    if (n <= 0) continue;
-    in.resize(static_cast<std::size_t>(heads) * static_cast<std::size_t>(n));
-    pooled.resize(in.size());
-    for (int h = 0; h < heads; ++h)
-      std::copy_n(&sums[static_cast<std::size_t>(h) * len + begin], n, &in[static_cast<std::size_t>(h) * n]);
-    detail::check(kernels::cpu::snapkv_pool(in.data(), heads, n, p, pooled.data()), "SnapKV pooling");
-    for (int h = 0; h < heads; ++h)
-      std::copy_n(&pooled[static_cast<std::size_t>(h) * n], n, &out[static_cast<std::size_t>(h) * len + begin]);
-  }
-}
-
 // The window sums without pooling (kernel 1: each tap times 1).
 kernels::SnapKVParams unpooled(kernels::SnapKVParams p) {
   p.kernel_size = 1;
@@ -68,41 +48,35 @@ class Window final : public DecodeScoring {
     sp.window = wlen;
     stat_.resize(static_cast<std::size_t>(G) * static_cast<std::size_t>(K));
     detail::check(s.backend.snapkv_scores(aw, sp, stat_.data()), "SnapKV scores");
+    if (split_) {
+      // Per query head, pooled on each side of the window's keys: the resident decode tokens of its
+      // steps (ids T + s - wlen + 1 .. T + s).
+      const std::int32_t first = T_ + s.step - wlen + 1;
+      const int edge = static_cast<int>(std::lower_bound(s.tokens.begin(), s.tokens.end(), first) - s.tokens.begin());
+      snapkv_pool_split(stat_, G, K, edge, params_, sums_);
+      stat_.swap(sums_);
+    }
     out.assign(static_cast<std::size_t>(K), 0.0f);
     for (int j = 0; j < G; ++j)
       for (int i = 0; i < K; ++i)
         out[static_cast<std::size_t>(i)] += stat_[static_cast<std::size_t>(j) * K + i];
-    if (split_) {
-      // The window's keys: the resident decode tokens of its steps (ids T + s - wlen + 1 .. T + s).
-      const std::int32_t first = T_ + s.step - wlen + 1;
-      const int edge = static_cast<int>(std::lower_bound(s.tokens.begin(), s.tokens.end(), first) - s.tokens.begin());
-      sums_.swap(out);
-      pool_split(sums_, 1, K, edge, params_, out);
-    }
   }
 
  private:
   kernels::SnapKVParams params_;
   bool split_;
   int q_heads_, head_, D_, T_;
-  std::vector<float> qwin_, stat_, sums_;  // [G, wlen, D], [G, K], [K]
+  std::vector<float> qwin_, stat_, sums_;  // [G, wlen, D], [G, K], [G, K]
 };
 
 class SnapKV final : public Scorer {
  public:
   using Scorer::Scorer;
   void prepare_prefill(LayerData& d, const PolicySpec& p, const TraceContext&) const override {
-    d.snapkv(split_span(p) ? unpooled(snap_params(p)) : snap_params(p));
+    d.snapkv(snap_params(p), split_span(p));
   }
   void score(const LayerView& v, std::vector<float>& out) const override {
-    const kernels::SnapKVParams p = snap_params(v.policy);
-    if (!split_span(v.policy)) {
-      out = v.data.snapkv(p);
-      return;
-    }
-    // The window sums per kv head [Hkv, T], pooled on each side of the window's edge.
-    const int edge = v.T - std::min(p.window, v.T);
-    pool_split(v.data.snapkv(unpooled(p)), v.kv_heads, v.T, edge, p, out);
+    out = v.data.snapkv(snap_params(v.policy), split_span(v.policy));
   }
   std::unique_ptr<DecodeScoring> decode_scoring(const LayerView& v, int h) const override {
     return std::make_unique<Window>(v, h);
