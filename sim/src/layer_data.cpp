@@ -336,27 +336,51 @@ const std::vector<float>& LayerData::h2o() {
   return h2o_;
 }
 
-const std::vector<float>& LayerData::snapkv(const kernels::SnapKVParams& p) {
+const std::vector<float>& LayerData::snapkv(const kernels::SnapKVParams& p, bool split_at_window) {
   kernels::SnapKVParams eff = p;
   eff.window = std::min(eff.window, ctx_.T);
-  const auto key = std::make_tuple(eff.window, eff.kernel_size, static_cast<int>(eff.pool));
+  const auto key = std::make_tuple(eff.window, eff.kernel_size, static_cast<int>(eff.pool), split_at_window);
   auto it = snap_.find(key);
   if (it != snap_.end()) return it->second;
   const std::string name = "snapkv window " + std::to_string(eff.window);
-  std::vector<float> q(static_cast<std::size_t>(ctx_.geometry.num_q_heads) * static_cast<std::size_t>(ctx_.T));
+  const int Hq = ctx_.geometry.num_q_heads, T = ctx_.T;
+  std::vector<float> q(static_cast<std::size_t>(Hq) * static_cast<std::size_t>(T));
+  // split_at_window: the unpooled window sums (kernel 1), pooled below on each side of the edge.
+  kernels::SnapKVParams first = eff;
+  if (split_at_window) first.kernel_size = 1;
   if (stored_ && stored_definition_.window == eff.window) {
     // The stored window sums, pooled as snapkv_scores pools its own.
-    check(kernels::cpu::snapkv_pool(stored_->window_sum.data(), ctx_.geometry.num_q_heads, ctx_.T, eff,
-                                    q.data()),
-          "SnapKV pooling");
+    check(kernels::cpu::snapkv_pool(stored_->window_sum.data(), Hq, T, first, q.data()), "SnapKV pooling");
     ctx_.note_statistic(name, true);
   } else {
-    check(ctx_.backend->snapkv_scores(problem(), eff, q.data()), "SnapKV scores");
+    check(ctx_.backend->snapkv_scores(problem(), first, q.data()), "SnapKV scores");
     ctx_.note_statistic(
         name, false,
         stored_ ? "stored window is " + std::to_string(stored_definition_.window) : stored_unusable());
   }
+  if (split_at_window) {
+    std::vector<float> pooled;
+    snapkv_pool_split(q, Hq, T, T - eff.window, eff, pooled);
+    q.swap(pooled);
+  }
   return snap_.emplace(key, reduce(q)).first->second;
+}
+
+void snapkv_pool_split(const std::vector<float>& sums, int heads, int len, int edge, const kernels::SnapKVParams& p,
+                       std::vector<float>& out) {
+  out.assign(sums.size(), 0.0f);
+  std::vector<float> in, pooled;
+  for (const auto& [begin, end] : {std::pair<int, int>{0, edge}, std::pair<int, int>{edge, len}}) {
+    const int n = end - begin;
+    if (n <= 0) continue;
+    in.resize(static_cast<std::size_t>(heads) * static_cast<std::size_t>(n));
+    pooled.resize(in.size());
+    for (int h = 0; h < heads; ++h)
+      std::copy_n(&sums[static_cast<std::size_t>(h) * len + begin], n, &in[static_cast<std::size_t>(h) * n]);
+    check(kernels::cpu::snapkv_pool(in.data(), heads, n, p, pooled.data()), "SnapKV pooling");
+    for (int h = 0; h < heads; ++h)
+      std::copy_n(&pooled[static_cast<std::size_t>(h) * n], n, &out[static_cast<std::size_t>(h) * len + begin]);
+  }
 }
 
 const std::vector<float>& LayerData::tova() {

@@ -285,12 +285,13 @@ const std::vector<Preset>& preset_list() {
       {"snapkv-kvpress",
        "snapkv",
        true,
-       "SnapKV as kvpress's SnapKVPress: window 64, avg-pooled (kernel 5), the window kept, int(T(1-r)) "
-       "tokens",
+       "SnapKV as kvpress's SnapKVPress: window 64, avg-pooled (kernel 5) up to the window's edge, the window "
+       "kept, int(T(1-r)) tokens",
        "kvpress 0.5.5 SnapKVPress (Li et al. 2024)",
        {{"snap_window", "64"},
         {"snap_kernel", "5"},
         {"snap_pool", "avg"},
+        {"snap_pool_span", "split"},
         {"recent", "64"},
         {"keep_rounding", "kvpress"}}},
       {"tova-kvpress",

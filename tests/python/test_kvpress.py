@@ -9,9 +9,13 @@ compressed, the question after):
 2. kvscope's snapkv / tova / knorm / streamingllm against kvpress's presses of the same name on the
    same prefill: the kept token sets per layer and kv head, with kvscope's preset and with the INI
    equivalent docs/policies.md ("Mapping onto kvpress presses") gives, at kvpress's own kept count. knorm,
-   streamingllm and the tova equivalent keep identical sets, the snapkv equivalent close ones (mean
-   Jaccard >= 0.99); the measured agreement of each is printed (docs/policies.md, "kvscope against
-   kvpress, measured").
+   streamingllm and the tova and snapkv equivalents keep identical sets; the measured agreement of each is
+   printed (docs/policies.md, "kvscope against kvpress, measured"). For SnapKVPress also: the
+   snapkv-kvpress preset at budget 1 - r (its keep_rounding = kvpress gives kvpress's count) keeps
+   identical sets; kvpress's score written in numpy (snapkv_press_scores) keeps identical sets through
+   kvscope's selection, and the same score pooled over every key (kvscope's snap_pool_span = all, which
+   lets the last keys before the window see the window's scores) does not: that pooling is the whole
+   difference between snapkv-kvpress with snap_pool_span = all and the press.
 3. kvscope's h2o against kvpress's ObservedAttentionPress, which reads the attention weights and so needs
    eager attention: one extra prefill of the same ids in a copy of the model loaded with
    attn_implementation="eager", the press applied to it and kvscope's policies run on its q, k, v. The
@@ -58,8 +62,8 @@ except ImportError as e:
 COMPARE = {
     "knorm": (kvpress.KnormPress, "knorm", {}, "identical"),
     "streamingllm": (kvpress.StreamingLLMPress, "streamingllm", {}, "identical"),
-    "snapkv": (kvpress.SnapKVPress, "snapkv", dict(snap_window=64, snap_kernel=5, snap_pool="avg", recent=64),
-               "close"),
+    "snapkv": (kvpress.SnapKVPress, "snapkv", dict(snap_window=64, snap_kernel=5, snap_pool="avg",
+                                                   snap_pool_span="split", recent=64), "identical"),
     "tova": (kvpress.TOVAPress, "tova", dict(shared_heads=True, recent=1), "identical"),
 }
 
@@ -71,6 +75,28 @@ def kept_from_keys(full, compressed):
         index = {full[h, t].tobytes(): t for t in range(full.shape[1])}
         out.append(sorted(index[row.tobytes()] for row in compressed[h]))
     return out
+
+
+def snapkv_press_scores(layer, window=64, kernel=5, pool_all_keys=False):
+    """kvpress 0.5.5 SnapKVPress.score on kvscope's q, k (float64 here, float32 in kvpress): the softmax of the
+    last `window` queries over all keys they see (causal), the columns of the keys before the window kept,
+    mean over the window's queries, F.avg_pool1d(kernel, padding kernel // 2, zeros counted) over those keys
+    only, mean over the query heads of each kv head; the window's keys get max + 1. pool_all_keys: pool
+    over every key (the window's columns too) and then cut, as kvscope's snap_pool_span = all does."""
+    T, G, W = layer.T, layer.group_size, window
+    q = layer.q[:, T - W:, :].astype(np.float64)
+    k = np.repeat(layer.k.astype(np.float64), G, axis=0)
+    logits = q @ k.transpose(0, 2, 1) / np.sqrt(layer.head_dim)  # [Hq, W, T]
+    visible = layer.position[None, :] <= layer.position[T - W:, None]
+    logits = np.where(visible, logits, -np.inf)
+    p = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    s = p.mean(axis=1) if pool_all_keys else p[:, :, :T - W].mean(axis=1)
+    r = kernel // 2
+    padded = np.pad(s, ((0, 0), (r, r)))
+    pooled = sum(padded[:, u:u + s.shape[1]] for u in range(kernel)) / kernel
+    per_kv = pooled[:, :T - W].reshape(layer.num_kv_heads, G, T - W).mean(axis=1)
+    return np.concatenate([per_kv, np.full((layer.num_kv_heads, W), per_kv.max() + 1)], axis=1)
 
 
 def observed_attention_scores(layer):
@@ -163,11 +189,11 @@ class KvpressInterop(unittest.TestCase):
         theirs = [kept_from_keys(pf.keys[l][0].numpy(), cache.layers[l].keys[0].numpy()) for l in range(L)]
         return pf, theirs
 
-    def agreement(self, spec, pf, theirs, n_kept):
-        """kvscope's policy `spec` on the prefill's q, k, v at n_kept tokens per kv head against kvpress's kept
-        sets: (identical (layer, kv head) sets, mean Jaccard)."""
+    def agreement(self, spec, pf, theirs, n_kept, budget=None):
+        """kvscope's policy `spec` on the prefill's q, k, v at n_kept tokens per kv head (or at `budget`)
+        against kvpress's kept sets: (identical (layer, kv head) sets, mean Jaccard)."""
         g = hf.HfDecoder(self.model).geometry()
-        c = select.PrefillCompressor(spec, f"{n_kept}tok", num_layers=g["num_layers"], num_q_heads=g["num_q_heads"],
+        c = select.PrefillCompressor(spec, budget if budget is not None else f"{n_kept}tok", num_layers=g["num_layers"], num_q_heads=g["num_q_heads"],
                                      num_kv_heads=g["num_kv_heads"], head_dim=g["head_dim"], modality=[0] * self.T)
         same, jac = 0, []
         for l in range(g["num_layers"]):
@@ -186,12 +212,15 @@ class KvpressInterop(unittest.TestCase):
         if not hasattr(self, "pf"):
             type(self).pf = hf.prefill(self.model, self.ctx_ids[0])
         rows = []
+        snap = {}
         for name, (press_cls, preset, equivalent, agree) in COMPARE.items():
             pf, theirs = self.press_and_prefill(self.model, press_cls(compression_ratio=ratio), self.pf)
             result = {}
             for label, spec in (("preset", sim.policy(preset)),
-                                ("equivalent", sim.policy(preset, rename=f"{preset}-kvpress", **equivalent))):
+                                ("equivalent", sim.policy(preset, rename=f"{preset}-kvpress-ini", **equivalent))):
                 result[label] = self.agreement(spec, pf, theirs, n_kept)
+            if name == "snapkv":
+                snap = self.snapkv_press_isolated(pf, theirs, n_kept, 1 - ratio)
             rows.append((name, press_cls.__name__, heads, result))
             print(f"{name}: {press_cls.__name__} at compression_ratio {ratio} (T {self.T}, {n_kept} kept): "
                   f"preset identical {result['preset'][0]}/{heads} (mean Jaccard {result['preset'][1]:.3f}), "
@@ -202,6 +231,41 @@ class KvpressInterop(unittest.TestCase):
                 self.assertEqual(result["equivalent"][0], heads, name)
             elif COMPARE[name][3] == "close":
                 self.assertGreaterEqual(result["equivalent"][1], 0.99, name)
+        heads = rows[0][2]
+        # The preset at kvpress's ratio, and kvpress's score in numpy, keep SnapKVPress's sets ...
+        self.assertEqual(snap["snapkv-kvpress"][0], heads)
+        self.assertEqual(snap["kvpress's score as a Python scorer"][0], heads)
+        # ... and pooling over every key (the window's scores reaching the last keys before it) does not.
+        self.assertLess(snap["the same score pooled over all keys"][0], heads)
+        self.assertLess(snap["snapkv-kvpress, snap_pool_span = all"][0], heads)
+
+    def snapkv_press_isolated(self, pf, theirs, n_kept, budget):
+        """SnapKVPress's kept sets against the snapkv-kvpress preset at `budget` (1 - compression_ratio, so its
+        keep_rounding = kvpress gives kvpress's count), the preset with snap_pool_span = all, and kvpress's
+        score as a numpy scorer, pooled as kvpress pools and over all keys (the window forced: recent 64)."""
+        from kvscope import stages
+        stages.register_scorer("snapkv-press-py", snapkv_press_scores,
+                               meaning="kvpress SnapKVPress's score in numpy", preset=False)
+        stages.register_scorer("snapkv-press-all-keys-py", lambda l: snapkv_press_scores(l, pool_all_keys=True),
+                               meaning="kvpress SnapKVPress's score pooled over all keys", preset=False)
+        g = hf.HfDecoder(self.model).geometry()
+        heads = g["num_layers"] * g["num_kv_heads"]
+        result = {
+            "snapkv-kvpress": self.agreement(sim.policy("snapkv-kvpress"), pf, theirs, n_kept, budget),
+            "snapkv-kvpress, snap_pool_span = all": self.agreement(
+                sim.policy("snapkv-kvpress", snap_pool_span="all", rename="snapkv-kvpress-all"), pf, theirs,
+                n_kept, budget),
+            "kvpress's score as a Python scorer": self.agreement(
+                sim.policy("snapkv", scorer="snapkv-press-py", recent=64, rename="snapkv-press-py"), pf, theirs,
+                n_kept),
+            "the same score pooled over all keys": self.agreement(
+                sim.policy("snapkv", scorer="snapkv-press-all-keys-py", recent=64, rename="snapkv-press-all-py"),
+                pf, theirs, n_kept),
+        }
+        print(f"snapkv: SnapKVPress at compression_ratio {RATIO} (T {self.T}, {n_kept} kept): "
+              + "; ".join(f"{k} identical {v[0]}/{heads} (mean Jaccard {v[1]:.4f})" for k, v in result.items()),
+              flush=True)
+        return result
 
     def test_observed_attention_press_against_h2o(self):
         # ObservedAttentionPress reads the attention weights, which only eager attention returns: the same

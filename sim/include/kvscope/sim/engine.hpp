@@ -88,6 +88,12 @@ struct TraceContext {
 // <= 2^124 (docs/robustness.md, "Edge traces and numerical range in kvsim").
 double kernels_value_limit(int tokens, int head_dim);
 
+// Pools the rows of sums [heads, len] as kernels::cpu::snapkv_pool does, but the keys [0, edge) and
+// [edge, len) each on their own: a tap across the edge counts as 0 (avg; the divisor stays the
+// kernel size) or is skipped (max), as at the ends of a row (snapkv's snap_pool_span = split).
+void snapkv_pool_split(const std::vector<float>& sums, int heads, int len, int edge, const kernels::SnapKVParams& p,
+                       std::vector<float>& out);
+
 // One layer's tensors and lazily computed statistics (all [Hkv, T] float unless noted).
 class LayerData {
  public:
@@ -100,7 +106,9 @@ class LayerData {
   const trace::LayerTensors& decode() const { return decode_; }
 
   const std::vector<float>& h2o();                            // accumulated attention, summed over GQA groups
-  const std::vector<float>& snapkv(const kernels::SnapKVParams& p);
+  // split_at_window: the keys before the window and the window's keys pooled separately (per query
+  // head, before the GQA sum), as kvpress's SnapKVPress pools only the keys before its window.
+  const std::vector<float>& snapkv(const kernels::SnapKVParams& p, bool split_at_window = false);
   const std::vector<float>& tova();
   const std::vector<float>& key_norm();
   const std::vector<float>& redundancy(int seq_radius, int grid_radius);
@@ -230,7 +238,7 @@ class LayerData {
   trace::LayerTensors prefill_, decode_;
   TraceContext& ctx_;
   std::vector<float> h2o_, tova_, knorm_, received_, given_;
-  std::map<std::tuple<int, int, int>, std::vector<float>> snap_;
+  std::map<std::tuple<int, int, int, bool>, std::vector<float>> snap_;
   std::map<std::pair<int, int>, std::vector<float>> redundancy_;
   PerModality modality_similarity_{};
   std::vector<float> full_probs_, full_output_, full_entropy_, full_mass_;
