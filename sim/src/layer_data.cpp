@@ -725,6 +725,15 @@ bool same_codes(const kernels::QuantSpec& a, const kernels::QuantSpec& b) {  // 
 }
 }  // namespace
 
+bool uses_token_codes(const PolicySpec& p) {
+  if (p.mode != PolicyMode::kPrefill || !p.key_quant || !p.value_quant) return false;
+  if (p.key_quant->granularity != kernels::Granularity::kPerToken ||
+      p.value_quant->granularity != kernels::Granularity::kPerToken) {
+    return false;  // e.g. KIVI: keys per channel; a point needs both sides' codes
+  }
+  return !p.compress_tokens || (!stages::executor_of(p).merges() && p.stages.head_merge == "none");
+}
+
 LayerData::TokenCodesEntry* LayerData::find_token_codes(const kernels::QuantSpec& spec, bool values) {
   for (TokenCodesEntry& e : token_codes_->entries)
     if (e.values == values && same_codes(e.spec, spec)) return &e;
@@ -736,11 +745,9 @@ void LayerData::prepare_token_codes(const std::vector<const PolicySpec*>& polici
   // Points that quantize their slots per token without merging (the slots are then kept tokens).
   std::vector<TokenCodesEntry> wanted;
   for (const PolicySpec* p : policies) {
-    if (p->mode != PolicyMode::kPrefill || !p->key_quant || !p->value_quant) continue;
-    if (p->compress_tokens && (stages::executor_of(*p).merges() || p->stages.head_merge != "none")) continue;
+    if (!uses_token_codes(*p)) continue;
     for (int kv = 0; kv < 2; ++kv) {
       const kernels::QuantSpec& q = kv == 0 ? *p->key_quant : *p->value_quant;
-      if (q.granularity != kernels::Granularity::kPerToken) continue;
       TokenCodesEntry* e = nullptr;
       for (TokenCodesEntry& w : wanted)
         if (w.values == (kv == 1) && same_codes(w.spec, q)) e = &w;

@@ -255,12 +255,10 @@ LayerResult execute_selection(const PolicySpec& p, const LayerSelection& sel, La
   const std::vector<float>& vall = L.v_all();
   const std::size_t SD = static_cast<std::size_t>(S) * static_cast<std::size_t>(D);
   const std::size_t stride = (static_cast<std::size_t>(T) + static_cast<std::size_t>(S)) * D;  // kall's head stride
-  // Per-token codes of this layer (prepared by a sweep), for a quantizing point that does not merge; asked
-  // for by the points LayerData::prepare_token_codes counts as users, and by no other.
+  // Per-token codes of this layer (prepared by a sweep), asked for by exactly the points
+  // LayerData::prepare_token_codes counts as users (uses_token_codes).
   std::shared_ptr<const LayerData::TokenCodes> kcodes, vcodes;
-  if (p.key_quant && p.value_quant && !merging && p.mode == PolicyMode::kPrefill &&
-      (!p.compress_tokens || (!executor.merges() && p.stages.head_merge == "none")) &&
-      ctx.backend->kind() == BackendKind::kCpu) {
+  if (uses_token_codes(p) && ctx.backend->kind() == BackendKind::kCpu) {
     kcodes = L.token_codes(*p.key_quant, false);
     vcodes = L.token_codes(*p.value_quant, true);
   }

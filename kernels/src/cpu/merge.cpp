@@ -104,9 +104,12 @@ Status merge_tokens(const MergeParams& p, const void* k, const void* v, const st
     // head was two [T, D] buffers allocated, zeroed and copied per call: for the simulator, which merges
     // float32 rows per head and point, most of a long-trace sweep's page faults, docs/perf.md.)
     std::vector<float> key_buf, val_buf;
-    const float* keys = static_cast<const float*>(k) + head_off;
-    const float* vals = static_cast<const float*>(v) + head_off;
-    if (p.dtype != DType::kF32) {
+    const float* keys = nullptr;
+    const float* vals = nullptr;
+    if (p.dtype == DType::kF32) {
+      keys = static_cast<const float*>(k) + head_off;
+      vals = static_cast<const float*>(v) + head_off;
+    } else {
       const std::size_t n = static_cast<std::size_t>(T) * D;
       key_buf.resize(n);
       val_buf.resize(n);

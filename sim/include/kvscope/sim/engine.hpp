@@ -94,6 +94,12 @@ double kernels_value_limit(int tokens, int head_dim);
 void snapkv_pool_split(const std::vector<float>& sums, int heads, int len, int edge, const kernels::SnapKVParams& p,
                        std::vector<float>& out);
 
+// Whether a point's slots can come from per-token codes shared across points (LayerData::token_codes):
+// prefill mode, K and V both quantized per token, and the slots its kept tokens (no merging executor, no
+// head merge). LayerData::prepare_token_codes counts exactly these points as users and policy execution
+// asks exactly these for codes, so every code set is released by its last user.
+bool uses_token_codes(const PolicySpec& p);
+
 // One layer's tensors and lazily computed statistics (all [Hkv, T] float unless noted).
 class LayerData {
  public:
@@ -201,8 +207,8 @@ class LayerData {
     std::vector<std::uint8_t> exact;   // [Hkv, T] 1 where the dequantized row equals the float32 row
   };
   // Quantizes, on the CPU backend and outside parallel regions, every (per-token spec, K or V) that at
-  // least two prefill-mode points of `policies` (one entry per point) quantize without merging, and
-  // counts those points as its users.
+  // least two points of `policies` (one entry per point) use (uses_token_codes), and counts those points
+  // as its users.
   void prepare_token_codes(const std::vector<const PolicySpec*>& policies);
   // The codes of (spec, K or V) for one user, or nullptr (not prepared, or already released). A caller
   // given codes calls token_codes_done(spec, values) once when finished with them; the codes are
