@@ -32,8 +32,8 @@ if ((rc == 77)); then exit 77; fi
 
 # A pip-installed kvscope in the environment would be imported instead of the missing build's extension.
 if py "$repo/scripts/py" -c 'import importlib.metadata as m; m.version("kvscope")' >/dev/null 2>&1; then
-  echo "the environment has kvscope pip-installed: the missing-extension message is not checked"
-  exit 0
+  echo "SKIPPED: the environment has kvscope pip-installed, so the missing-extension message cannot be checked"
+  exit 77
 fi
 mkdir -p "$tmp/empty-build"
 py KVSCOPE_BUILD_DIR="$tmp/empty-build" "$repo/scripts/py" -c 'import kvscope; print("import kvscope OK")' ||

@@ -1,6 +1,6 @@
 """kvscope policies inside a Hugging Face model (kvscope.hf.apply_policy) against the C++ closed loop that
-`kvcap eval --task` runs, on the real SmolLM2-135M-Instruct and the default task suite (docs/tasks.md:
-passkey, needle, multikey at 512 tokens): for h2o, snapkv and streamingllm at budgets 0.2 and 0.5, and the
+`kvcap eval --task` runs, on the real SmolLM2-135M-Instruct and the tasks of the default suite (docs/tasks.md:
+passkey, needle, multikey; at 512 tokens): for h2o, snapkv and streamingllm at budgets 0.2 and 0.5, and the
 decode-time policies h2o~decode at a 128-token cap and h2o~decode:4 (eviction every 4 steps) at 0.3, on the
 same samples, the token ids every layer's kv heads hold at the end are the same (up to one swapped
 near-tie token in at most 1 % of the (run, layer, kv head) sets), the generated tokens are the same, and the
@@ -173,7 +173,10 @@ class HfClosedLoop(unittest.TestCase):
             differ = [(l, h) for l in range(r.L) for h in range(r.Hkv) if kept[l][h] != builtin["kept"][l][h]]
             print(f"h2o-numpy@{budget} on {task} sample {index}: kept sets differ from h2o's in {len(differ)} of "
                   f"{r.L * r.Hkv} (layer, kv head) {differ}", flush=True)
-            self.assertEqual(differ, [], budget)
+            # float64 numpy against the C++ float32 scores: the tolerance of the runner comparison above (one
+            # swapped near-tie token in at most 1 % of sets, so at most one of these 90)
+            self.assertLessEqual(len(differ), max(1, int(0.01 * r.L * r.Hkv)), budget)
+            self.assertTrue(all(len(set(kept[l][h]) ^ set(builtin["kept"][l][h])) <= 2 for l, h in differ), budget)
             self.assertEqual(generated, builtin["generated"], budget)
             self.assertEqual(r.predicted_bytes, builtin["predicted_bytes"], budget)
 

@@ -57,14 +57,14 @@ except ImportError as e:
           "with scripts/py)")
     sys.exit(77)
 
-# kvscope policy (preset, INI equivalent of docs/policies.md) for each kvpress press, and what the test
-# requires of the equivalent: identical sets, close (mean Jaccard >= 0.99), or nothing (definitions differ).
+# kvscope policy (preset, INI equivalent of docs/policies.md) for each kvpress press; the test requires the
+# equivalent to keep the press's sets (assertSameSets).
 COMPARE = {
-    "knorm": (kvpress.KnormPress, "knorm", {}, "identical"),
-    "streamingllm": (kvpress.StreamingLLMPress, "streamingllm", {}, "identical"),
+    "knorm": (kvpress.KnormPress, "knorm", {}),
+    "streamingllm": (kvpress.StreamingLLMPress, "streamingllm", {}),
     "snapkv": (kvpress.SnapKVPress, "snapkv", dict(snap_window=64, snap_kernel=5, snap_pool="avg",
-                                                   snap_pool_span="split", recent=64), "identical"),
-    "tova": (kvpress.TOVAPress, "tova", dict(shared_heads=True, recent=1), "identical"),
+                                                   snap_pool_span="split", recent=64)),
+    "tova": (kvpress.TOVAPress, "tova", dict(shared_heads=True, recent=1)),
 }
 
 
@@ -204,6 +204,14 @@ class KvpressInterop(unittest.TestCase):
                 jac.append(len(a & b) / len(a | b))
         return same, float(np.mean(jac))
 
+    def assertSameSets(self, result, heads, label):
+        """kvpress's float32 torch scores and kvscope's may order two tokens that tie to float precision at the
+        selection boundary differently on another CPU or BLAS: one (layer, kv head) set may differ, by a
+        swapped token or so (mean Jaccard >= 0.999); every other set must be identical."""
+        identical, jaccard = result
+        self.assertGreaterEqual(identical, heads - 1, label)
+        self.assertGreaterEqual(jaccard, 0.999, label)
+
     def test_same_named_presses(self):
         ratio = RATIO
         n_kept = max(1, int(self.T * (1 - ratio)))
@@ -213,7 +221,7 @@ class KvpressInterop(unittest.TestCase):
             type(self).pf = hf.prefill(self.model, self.ctx_ids[0])
         rows = []
         snap = {}
-        for name, (press_cls, preset, equivalent, agree) in COMPARE.items():
+        for name, (press_cls, preset, equivalent) in COMPARE.items():
             pf, theirs = self.press_and_prefill(self.model, press_cls(compression_ratio=ratio), self.pf)
             result = {}
             for label, spec in (("preset", sim.policy(preset)),
@@ -227,14 +235,11 @@ class KvpressInterop(unittest.TestCase):
                   f"equivalent identical {result['equivalent'][0]}/{heads} (mean Jaccard "
                   f"{result['equivalent'][1]:.3f})", flush=True)
         for name, _, heads, result in rows:
-            if COMPARE[name][3] == "identical":
-                self.assertEqual(result["equivalent"][0], heads, name)
-            elif COMPARE[name][3] == "close":
-                self.assertGreaterEqual(result["equivalent"][1], 0.99, name)
+            self.assertSameSets(result["equivalent"], heads, name)
         heads = rows[0][2]
         # The preset at kvpress's ratio, and kvpress's score in numpy, keep SnapKVPress's sets ...
-        self.assertEqual(snap["snapkv-kvpress"][0], heads)
-        self.assertEqual(snap["kvpress's score as a Python scorer"][0], heads)
+        self.assertSameSets(snap["snapkv-kvpress"], heads, "snapkv-kvpress")
+        self.assertSameSets(snap["kvpress's score as a Python scorer"], heads, "SnapKVPress's score in numpy")
         # ... and pooling over every key (the window's scores reaching the last keys before it) does not.
         self.assertLess(snap["the same score pooled over all keys"][0], heads)
         self.assertLess(snap["snapkv-kvpress, snap_pool_span = all"][0], heads)
@@ -292,7 +297,7 @@ class KvpressInterop(unittest.TestCase):
               flush=True)
         # The normalisation by T - t (and nothing forced) is the whole difference: kvpress's score computed
         # in Python and run through kvscope's selection keeps kvpress's sets.
-        self.assertEqual(result["kvpress's score as a Python scorer"][0], heads)
+        self.assertSameSets(result["kvpress's score as a Python scorer"], heads, "ObservedAttentionPress's score")
         # and it is a difference: h2o's plain sum keeps other sets
         self.assertLess(result["h2o, recent_fraction 0"][0], heads)
 

@@ -66,5 +66,6 @@ if __name__ == "__main__":
     check(h2o is not None and sllm is not None and h2o != sllm, "layer 29: h2o and streamingllm keep different tokens")
     r = subprocess.run([KVVIEW, trace, "--results", results, "--view", "tokens", "--layer", "30", "--screenshot",
                         os.path.join(WORK, "bad-layer.png")], capture_output=True, text=True, timeout=300)
-    check(r.returncode == 2 and "30" in r.stderr, f"--layer 30 of a 30-layer trace: exit 2 ({r.stderr.strip()})")
+    check(r.returncode == 2 and "--layer: 30 is not below 30 layers" in r.stderr,
+          f"--layer 30 of a 30-layer trace: exit 2 naming the layer count ({r.stderr.strip()})")
     sys.exit(1 if FAILURES else 0)
