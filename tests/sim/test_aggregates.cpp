@@ -42,6 +42,11 @@ SweepOutput sweep(const std::string& path) {
   for (const char* n : {"full", "window", "h2o", "snapkv", "pyramidkv", "tova", "fastv", "hybridkv", "look-m",
                         "unicache", "adaptive", "h2o+int8", "snapkv+int4"})
     policies.push_back(reg.get(n));
+  // snapkv pooling each side of its window on its own (snap_pool_span = split), from the stored window sums
+  PolicySpec split = reg.get("snapkv");
+  split.set("snap_pool_span", "split");
+  split.name = "snapkv-split";
+  policies.push_back(split);
   SweepOptions o;
   return run_sweep(reader, make_sweep_points(policies, parse_budget_list("0.2:0.8:0.3")), o);
 }
