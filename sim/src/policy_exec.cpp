@@ -319,11 +319,6 @@ LayerResult execute_selection(const PolicySpec& p, const LayerSelection& sel, La
             const float* rows_w = kv == 0 ? kwork[static_cast<std::size_t>(w)] : vwork[static_cast<std::size_t>(w)];
             const bool rows_exact = gather_dequantize(c, w, T, D, q.residual_tokens, kw, K, rows_w, scratch, data.data());
             exact = exact && rows_exact;
-            const auto qb = kernels::quantized_bytes(q, 1, K, D, ctx.dtype);
-            b.kv += qb.codes;
-            b.scales += qb.scales;
-            b.zeros += qb.zeros;
-            b.residual += qb.residual;
           }
         } else {
           ex.execute(view, T, kwork[static_cast<std::size_t>(w)], vwork[static_cast<std::size_t>(w)], kw, K,
@@ -340,16 +335,10 @@ LayerResult execute_selection(const PolicySpec& p, const LayerSelection& sel, La
               exact = exact && std::equal(qbuf.begin(), qbuf.begin() + static_cast<std::ptrdiff_t>(KD),
                                           data.begin());
               std::copy_n(qbuf.begin(), KD, data.begin());
-              const auto qb = kernels::quantized_bytes(q, 1, K, D, ctx.dtype);
-              b.kv += qb.codes;
-              b.scales += qb.scales;
-              b.zeros += qb.zeros;
-              b.residual += qb.residual;
             }
-          } else {
-            b.kv = 2ll * K * D * elem;
           }
         }
+        b += resident_bytes(p, K, D, ctx.dtype);  // K and V codes, scales and zeros, or full precision
         if (merging) b.multiplicity = 4ll * K;
         if (compressed) {  // closed loop: the slots as evaluated (before the decode tokens are appended)
           CompressedLayer::Head& ch = compressed->heads[static_cast<std::size_t>(w)];

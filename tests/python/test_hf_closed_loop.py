@@ -61,16 +61,9 @@ def budget_arg(b: str):
 def h2o_scores(layer) -> "np.ndarray":
     """H2O's score in numpy (as tests/package/test_stages.py): the attention each token received from every
     prefill query, causal by position, summed over the query heads of its kv head."""
-    import numpy as np
+    from causal_softmax import causal_attention
 
-    q = layer.q.astype(np.float64)
-    k = np.repeat(layer.k.astype(np.float64), layer.group_size, axis=0)
-    logits = q @ k.transpose(0, 2, 1) / np.sqrt(layer.head_dim)  # [Hq, T, T]
-    visible = layer.position[None, :] <= layer.position[:, None]
-    logits = np.where(visible, logits, -np.inf)
-    p = np.exp(logits - logits.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
-    return p.sum(axis=1).reshape(layer.num_kv_heads, layer.group_size, layer.T).sum(axis=1)
+    return causal_attention(layer).sum(axis=1).reshape(layer.num_kv_heads, layer.group_size, layer.T).sum(axis=1)
 
 
 def run(cmd):

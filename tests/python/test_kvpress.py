@@ -52,6 +52,8 @@ try:
     import kvpress
     from kvscope import hf, select, sim
     from kvscope.kvpress_press import KvscopePress
+
+    from causal_softmax import causal_attention
 except ImportError as e:
     print(f"SKIPPED: {e} (kvpress and the native kvscope package come with scripts/setup and the build; run "
           "with scripts/py)")
@@ -84,13 +86,7 @@ def snapkv_press_scores(layer, window=64, kernel=5, pool_all_keys=False):
     only, mean over the query heads of each kv head; the window's keys get max + 1. pool_all_keys: pool
     over every key (the window's columns too) and then cut, as kvscope's snap_pool_span = all does."""
     T, G, W = layer.T, layer.group_size, window
-    q = layer.q[:, T - W:, :].astype(np.float64)
-    k = np.repeat(layer.k.astype(np.float64), G, axis=0)
-    logits = q @ k.transpose(0, 2, 1) / np.sqrt(layer.head_dim)  # [Hq, W, T]
-    visible = layer.position[None, :] <= layer.position[T - W:, None]
-    logits = np.where(visible, logits, -np.inf)
-    p = np.exp(logits - logits.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
+    p = causal_attention(layer, T - W)  # [Hq, W, T]
     s = p.mean(axis=1) if pool_all_keys else p[:, :, :T - W].mean(axis=1)
     r = kernel // 2
     padded = np.pad(s, ((0, 0), (r, r)))
@@ -103,14 +99,7 @@ def observed_attention_scores(layer):
     """kvpress 0.5.5 ObservedAttentionPress.score on kvscope's q, k: the causal attention each token receives,
     summed over the prefill queries, divided by the number of queries that see it (T - t), mean over the
     query heads of its kv head (float64 here, float32 in kvpress)."""
-    q = layer.q.astype(np.float64)
-    k = np.repeat(layer.k.astype(np.float64), layer.group_size, axis=0)
-    logits = q @ k.transpose(0, 2, 1) / np.sqrt(layer.head_dim)  # [Hq, T, T]
-    visible = layer.position[None, :] <= layer.position[:, None]
-    logits = np.where(visible, logits, -np.inf)
-    p = np.exp(logits - logits.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
-    per_q_head = p.sum(axis=1) / np.arange(layer.T, 0, -1, dtype=np.float64)  # [Hq, T]
+    per_q_head = causal_attention(layer).sum(axis=1) / np.arange(layer.T, 0, -1, dtype=np.float64)  # [Hq, T]
     return per_q_head.reshape(layer.num_kv_heads, layer.group_size, layer.T).mean(axis=1)
 
 

@@ -9,14 +9,13 @@ have the requested size and not be blank, the token map of two policies must dif
 selector must reach the last of the 30 layers. Exits 77 (ctest skip) without the model or xvfb-run.
 """
 import os
-import shutil
 import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
-from kvview_screenshots import decode_png, variance  # noqa: E402
+from kvview_screenshots import decode_png, rerun_under_xvfb, variance  # noqa: E402
 from real_model import require_model  # noqa: E402
 
 SIZE = (960, 600)
@@ -32,12 +31,7 @@ def check(cond, msg):
 if __name__ == "__main__":
     KVVIEW, KVCAP, KVSIM, WORK = sys.argv[1:5]
     model = require_model()
-    if not os.environ.get("KVSCOPE_UNDER_XVFB"):
-        if not shutil.which("xvfb-run"):
-            print("SKIP: xvfb-run not found (install xvfb to run the kvview screenshot tests)")
-            sys.exit(77)
-        os.environ["KVSCOPE_UNDER_XVFB"] = "1"
-        os.execvp("xvfb-run", ["xvfb-run", "-a", "-s", "-screen 0 1600x1200x24", sys.executable] + sys.argv)
+    rerun_under_xvfb()
     os.makedirs(WORK, exist_ok=True)
     trace, results = os.path.join(WORK, "paris.h5"), os.path.join(WORK, "results.h5")
     r = subprocess.run([KVCAP, "run", "--model", str(model), "--chat", "--prompt", "What is the capital of France?",

@@ -101,15 +101,21 @@ def shot(name, extra, env):
     return rows
 
 
+def rerun_under_xvfb():
+    """Re-runs this script under one `xvfb-run -a` (one X server for the whole test, on a free display);
+    exits 77 (ctest's skip) when xvfb-run is missing. Returns once running under it."""
+    if os.environ.get("KVSCOPE_UNDER_XVFB"):
+        return
+    if not shutil.which("xvfb-run"):
+        print("SKIP: xvfb-run not found (install xvfb to run the kvview screenshot tests)")
+        sys.exit(77)
+    os.environ["KVSCOPE_UNDER_XVFB"] = "1"
+    os.execvp("xvfb-run", ["xvfb-run", "-a", "-s", "-screen 0 1600x1200x24", sys.executable] + sys.argv)
+
+
 if __name__ == "__main__":
     KVVIEW, KVSIM, TRACE, WORK = sys.argv[1:5]
-    if not os.environ.get("KVSCOPE_UNDER_XVFB"):
-        # One X server for the whole test (xvfb-run -a picks a free display number).
-        if not shutil.which("xvfb-run"):
-            print("SKIP: xvfb-run not found (install xvfb to run the kvview screenshot tests)")
-            sys.exit(77)
-        os.environ["KVSCOPE_UNDER_XVFB"] = "1"
-        os.execvp("xvfb-run", ["xvfb-run", "-a", "-s", "-screen 0 1600x1200x24", sys.executable] + sys.argv)
+    rerun_under_xvfb()
     os.makedirs(WORK, exist_ok=True)
     env = dict(os.environ)
     RESULTS = os.path.join(WORK, "results.h5")
