@@ -48,8 +48,11 @@ TEST_F(CaptureTest, DeviceTensorsRoundTrip) {
         for (int t = 0; t < g.T; ++t) {
           for (int d = 0; d < g.D; ++d) {
             const float x = static_cast<float>(l * 100 + h * 10 + t) * 0.5f + static_cast<float>(d) * 0.125f;
-            kernels::store_element(host.data(), kdt, static_cast<std::size_t>(t) * row + h * g.D + d, x);
-            want[l][(static_cast<std::size_t>(h) * g.T + t) * g.D + d] = x;
+            const std::size_t at = static_cast<std::size_t>(t) * row + h * g.D + d;
+            kernels::store_element(host.data(), kdt, at, x);
+            // The value as stored: bf16 has 8 significant bits, so 100.125 is 100 there.
+            want[l][(static_cast<std::size_t>(h) * g.T + t) * g.D + d] =
+                kernels::load_element(host.data(), kdt, at);
           }
         }
       }
