@@ -87,9 +87,7 @@ Backend& select_backend(BackendKind kind, std::unique_ptr<Backend>& owned) {
     owned = make_cuda_backend();
     return *owned;
   }
-  if (!cuda_backend_built() || kernels::cuda_device_count() == 0) return cpu_backend();
-  owned = make_cuda_backend();
-  return *owned;
+  return cpu_backend();  // kAuto: see backend.hpp
 }
 
 }  // namespace kvscope::sim

@@ -1,8 +1,11 @@
 // CUDA backend: every call copies its host inputs to device memory, runs the
 // kernels::cuda:: launcher of the same family on a per-thread stream, and copies
-// the outputs back (synchronous). Compiled only when the build has CUDA.
+// the outputs back (synchronous). Device buffers come from the stream-ordered pool
+// (cudaMallocAsync), so a call's allocations neither synchronise the device nor go
+// back to the driver. Compiled only when the build has CUDA.
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
 #include <vector>
 
 #include "kvscope/kernels/attention_stats_cuda.hpp"
@@ -26,7 +29,7 @@ class Arena {
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
   ~Arena() {
-    for (void* p : ptrs_) cudaFree(p);
+    for (void* p : ptrs_) pooled() ? cudaFreeAsync(p, stream()) : cudaFree(p);
   }
   // Device copy of `bytes` host bytes (nullptr stays nullptr).
   template <typename T>
@@ -62,13 +65,29 @@ class Arena {
   template <typename T>
   T* alloc(std::size_t count) {
     void* p = nullptr;
-    const cudaError_t e = cudaMalloc(&p, count ? count * sizeof(T) : 1);
+    const std::size_t bytes = count ? count * sizeof(T) : 1;
+    const cudaError_t e = pooled() ? cudaMallocAsync(&p, bytes, stream()) : cudaMalloc(&p, bytes);
     if (e != cudaSuccess) {
       status_ = merge(e);
       return nullptr;
     }
     ptrs_.push_back(p);
     return static_cast<T*>(p);
+  }
+  // Whether the device has stream-ordered memory pools (asked once; cudaMalloc otherwise).
+  // The default pool keeps freed memory (release threshold: no limit) instead of handing
+  // it back to the driver at every synchronisation.
+  static bool pooled() {
+    static const bool yes = [] {
+      int device = 0, supported = 0;
+      cudaMemPool_t pool = nullptr;
+      std::uint64_t keep = ~std::uint64_t{0};
+      return cudaGetDevice(&device) == cudaSuccess &&
+             cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, device) == cudaSuccess &&
+             supported != 0 && cudaDeviceGetDefaultMemPool(&pool, device) == cudaSuccess &&
+             cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep) == cudaSuccess;
+    }();
+    return yes;
   }
   Status merge(cudaError_t e) {
     if (!status_.ok()) return status_;

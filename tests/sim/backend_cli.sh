@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# kvsim --backend: auto falls back to the CPU (and says so in the summary on stdout; stderr stays
-# empty); cuda without a CUDA build or GPU is one line on stderr and exit 2; on a GPU machine cuda
-# must run.
+# kvsim --backend: auto runs on the CPU, also on a GPU machine (and says so in the summary on stdout;
+# stderr stays empty); cuda without a CUDA build or GPU is one line on stderr and exit 2; on a GPU
+# machine cuda must run.
 set -uo pipefail
 kvsim=$1 kvcap=$2 dir=$3
 rm -rf "$dir" && mkdir -p "$dir"

@@ -269,7 +269,7 @@ TEST(Backend, SelectionFollowsTheBuildAndTheDevice) {
   std::unique_ptr<Backend> owned;
   EXPECT_EQ(select_backend(BackendKind::kCpu, owned).kind(), BackendKind::kCpu);
   const bool gpu = cuda_backend_built() && kernels::cuda_device_count() > 0;
-  EXPECT_EQ(select_backend(BackendKind::kAuto, owned).kind(), gpu ? BackendKind::kCuda : BackendKind::kCpu);
+  EXPECT_EQ(select_backend(BackendKind::kAuto, owned).kind(), BackendKind::kCpu);  // also with a GPU
   if (!gpu) {
     EXPECT_THROW(select_backend(BackendKind::kCuda, owned), BackendError);
   }

@@ -127,8 +127,11 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
       "threads", po::value<int>()->default_value(0),
       "CPU threads for the kernels (0 = all cores; at most 4 x the hardware threads, 1024)")(
       "backend", po::value<std::string>()->default_value("auto"),
-      "kernels to run on: cpu, cuda (exit 2 without a CUDA build or GPU), or auto (CUDA when this kvsim was "
-      "built with it and a GPU is present, else CPU); the choice is printed in the summary on stdout")(
+      "kernels to run on: cpu, cuda (exit 2 without a CUDA build or GPU), or auto (the CPU: on an H200 the "
+      "CUDA backend, which copies every call's inputs and evaluates one decode step of one head per call, "
+      "measured slower than the CPU's batched evaluation, docs/perf.md); the choice is printed in the "
+      "summary "
+      "on stdout")(
       "question-in-context",
       "traces with roles (kvcap run --task): move the decode steps before the first answer step (the "
       "question "
@@ -275,8 +278,13 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
     // summary on stdout, so that stderr holds only progress and, on failure, the one-line error.
     std::cout << "backend " << backend->description();
     if (vm["backend"].as<std::string>() == "auto" && backend->kind() == BackendKind::kCpu) {
-      std::cout << " (auto: " << (cuda_backend_built() ? kernels::cuda_device_description() : "built without CUDA")
-                << ")";
+      if (cuda_backend_built() && kernels::cuda_device_count() > 0) {
+        std::cout << " (auto: the CPU; --backend cuda runs on " << kernels::cuda_device_description() << ")";
+      } else {
+        std::cout << " (auto: "
+                  << (cuda_backend_built() ? kernels::cuda_device_description() : "built without CUDA")
+                  << ")";
+      }
     }
     std::cout << "\nattention statistics: " << out.attention_statistics << "\n\n";
     TableOptions table;

@@ -74,7 +74,9 @@ bool cuda_backend_built();
 std::unique_ptr<Backend> make_cuda_backend();
 
 // Resolves a requested kind: kCpu -> the CPU backend; kCuda -> CUDA or BackendError;
-// kAuto -> CUDA when built with it and a device is present, else the CPU backend.
+// kAuto -> the CPU backend: the CUDA backend copies each call's inputs to the device and
+// evaluates one decode step of one kv head per call, which on an H200 made a sweep slower
+// than the CPU's batched evaluation (docs/perf.md, "kvsim on a GPU"); it runs only when asked.
 // `owned` keeps a CUDA backend alive; the returned reference is valid while it lives.
 Backend& select_backend(BackendKind kind, std::unique_ptr<Backend>& owned);
 
