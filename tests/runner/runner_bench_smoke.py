@@ -11,7 +11,7 @@ assert p.returncode == 0, p.stderr
 rows = [json.loads(line) for line in p.stdout.splitlines()]
 assert len(rows) == 2, p.stdout
 for r in rows:
-    assert r["tokens"] == 70 and r["decode_steps"] == 2 and r["threads"] == 2, r
+    assert r["tokens"] == 70 and r["decode_steps"] == 2 and r["threads"] == 2 and r["device"] == "cpu", r
     assert r["prefill_s"] > 0 and r["decode_s"] > 0 and abs(r["prefill_tok_s"] - 70 / r["prefill_s"]) < 1e-2 * r["prefill_tok_s"], r
     assert set(r["phases_s"]) == {"qkv", "attention", "mlp", "lm_head"}, r
     assert 0 <= r["next_token"] < 49152, r
@@ -24,8 +24,20 @@ assert p.returncode == 0, p.stderr
 c = json.loads(p.stdout)
 assert c["sgemm_n"] == 2048 and c["threads"] == 1 and c["sgemm_flops_per_s"] > 1e8 and c["blas_core"], c
 for bad in (["--sgemm-ceiling", "--model", "x"], ["--synthetic", "smollm2-135m"], ["--model", "x"], ["--synthetic", "other", "--tokens", "4"],
-            ["--tokens", "x", "--synthetic", "smollm2-135m"], ["--frobnicate"]):
+            ["--tokens", "x", "--synthetic", "smollm2-135m"], ["--frobnicate"],
+            ["--device", "tpu", "--synthetic", "smollm2-135m", "--tokens", "4"]):
     p = subprocess.run([exe] + bad, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and p.stdout == "" and len(p.stderr.strip().splitlines()) == 1, (bad, p)
     assert p.stderr.startswith("kvrunner-bench: "), (bad, p.stderr)
+# --device cuda: runs on a GPU machine (no phases_s: the kernels are asynchronous), else one line and exit 2.
+p = subprocess.run([exe, "--synthetic", "smollm2-135m", "--tokens", "8", "--decode", "1", "--device", "cuda"],
+                   capture_output=True, text=True, timeout=600)
+if p.returncode == 0:
+    r = json.loads(p.stdout)
+    assert r["device"] == "cuda" and "phases_s" not in r and r["prefill_s"] > 0, r
+    print("kvrunner-bench smoke: --device cuda ran")
+else:
+    last = p.stderr.strip().splitlines()[-1]  # after the "random weights of ..." progress line
+    assert p.returncode == 2 and p.stdout == "" and last.startswith("kvrunner-bench: --device cuda: "), p
+    print("kvrunner-bench smoke: --device cuda without a GPU: " + last)
 print("kvrunner-bench smoke: ok")

@@ -36,7 +36,8 @@ double seconds_since(Clock::time_point t0) {
 constexpr const char* kUsage =
     "usage: kvrunner-bench (--model DIR --ids FILE | --synthetic smollm2-135m --tokens N) [options]\n"
     "       kvrunner-bench --sgemm-ceiling [--threads N]\n"
-    "Times the runner's CPU decoder: one prefill over the prompt, then greedy decode steps (EOS ignored),\n"
+    "Times the runner's decoder (CPU, or the cuBLAS backend with --device cuda): one prefill over the\n"
+    "prompt, then greedy decode steps (EOS ignored),\n"
     "and prints one JSON object per repetition on stdout.\n"
     "  --sgemm-ceiling      instead: the machine's sgemm rate through the OpenBLAS the runner links\n"
     "                       (2048^3, --threads BLAS threads, best of 3 after a warm-up), one JSON object\n"
@@ -47,6 +48,8 @@ constexpr const char* kUsage =
     "  --tokens N           prompt length: the first N ids of --ids, or N random ids with --synthetic\n"
     "  --decode N           decode steps after the prefill (default 32)\n"
     "  --repeat R           repetitions (default 1)\n"
+    "  --device cpu|cuda    the backend (default cpu); cuda needs a CUDA build and a GPU, and reports no\n"
+    "                       phases_s (its kernels run asynchronously)\n"
     "  --threads N          OpenMP threads (default: all cores)\n"
     "  --warmup             an untimed 64-token prefill and 2 decode steps first\n"
     "  --no-phases          no per-phase timing (no observer)\n"
@@ -54,7 +57,7 @@ constexpr const char* kUsage =
     "JSON fields: tokens, prefill_s, prefill_tok_s, prefill_flop (multiply-add = 2: the projections of "
     "every\n"
     "token, causal attention over the lower triangle, the last token's logits), decode_steps, decode_s,\n"
-    "decode_tok_s, threads, blas_core,\n"
+    "decode_tok_s, device, threads, blas_core,\n"
     "next_token (the greedy token after the prefill),\n"
     "phases_s (prefill only: qkv = norm + q/k/v projections + RoPE; attention = KV append + attention +\n"
     "o_proj; mlp = norm + gate/up/down; lm_head = final norm + logits of the last token).\n";
@@ -184,7 +187,7 @@ int argmax(const std::vector<float>& v) {
 
 int main(int argc, char** argv) {
   kernels::use_fast_blas_runtime(argv);
-  std::string model_dir, ids_file, synthetic;
+  std::string model_dir, ids_file, synthetic, device_name = "cpu";
   int tokens = -1, decode = 32, repeat = 1, threads = 0;
   bool phases = true, warmup = false, ceiling = false;
   for (int i = 1; i < argc; ++i) {
@@ -209,6 +212,8 @@ int main(int argc, char** argv) {
         decode = std::stoi(value("--decode"));
       } else if (a == "--repeat") {
         repeat = std::stoi(value("--repeat"));
+      } else if (a == "--device") {
+        device_name = value("--device");
       } else if (a == "--threads") {
         threads = std::stoi(value("--threads"));
       } else if (a == "--warmup") {
@@ -226,6 +231,10 @@ int main(int argc, char** argv) {
   }
   if (decode < 0 || repeat < 1 || threads < 0)
     return bad("--decode, --repeat and --threads must be >= 0 / 1");
+  if (device_name != "cpu" && device_name != "cuda")
+    return bad("unknown --device " + device_name + " (cpu, cuda)");
+  const runner::Device device = device_name == "cuda" ? runner::Device::kCuda : runner::Device::kCpu;
+  if (device == runner::Device::kCuda) phases = false;
   kernels::set_cpu_threads(threads);
   if (ceiling) {
     if (!model_dir.empty() || !synthetic.empty()) return bad("--sgemm-ceiling takes no model");
@@ -255,12 +264,12 @@ int main(int argc, char** argv) {
         }
         ids.resize(static_cast<std::size_t>(tokens));
       }
-      model = std::make_unique<runner::Model>(runner::Model::load(model_dir));
+      model = std::make_unique<runner::Model>(runner::Model::load(model_dir, device));
     } else {
       runner::ModelConfig c = smollm2_config();
       std::cerr << "kvrunner-bench: random weights of " << c.model_name << "\n";
-      model = std::make_unique<runner::Model>(
-          c, random_weights(c), std::make_shared<NumberTokenizer>(c.vocab_size), runner::Device::kCpu);
+      model = std::make_unique<runner::Model>(c, random_weights(c),
+                                              std::make_shared<NumberTokenizer>(c.vocab_size), device);
       std::mt19937 rng(7);
       std::uniform_int_distribution<int> u(0, c.vocab_size - 1);
       for (int i = 0; i < tokens; ++i) ids.push_back(u(rng));
@@ -330,10 +339,10 @@ int main(int argc, char** argv) {
       const double decode_s = seconds_since(t1);
       std::printf(
           "{\"tokens\": %d, \"prefill_s\": %.6f, \"prefill_tok_s\": %.3f, \"decode_steps\": %d, "
-          "\"decode_s\": %.6f, \"decode_tok_s\": %.3f, \"threads\": %d, \"blas_core\": \"%s\", "
-          "\"next_token\": %d, \"prefill_flop\": %.6g",
+          "\"decode_s\": %.6f, \"decode_tok_s\": %.3f, \"device\": \"%s\", \"threads\": %d, "
+          "\"blas_core\": \"%s\", \"next_token\": %d, \"prefill_flop\": %.6g",
           t, prefill_s, t / prefill_s, decode, decode_s, decode > 0 ? decode / decode_s : 0.0,
-          kernels::cpu_threads(), kernels::blas_core_name(), first, prefill_flop(c, t));
+          device_name.c_str(), kernels::cpu_threads(), kernels::blas_core_name(), first, prefill_flop(c, t));
       if (phases) {
         auto& p = timer.phases();
         double layers = 0;
