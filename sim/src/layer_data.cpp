@@ -359,28 +359,11 @@ const std::vector<float>& LayerData::snapkv(const kernels::SnapKVParams& p, bool
         stored_ ? "stored window is " + std::to_string(stored_definition_.window) : stored_unusable());
   }
   if (split_at_window) {
-    std::vector<float> pooled;
-    snapkv_pool_split(q, Hq, T, T - eff.window, eff, pooled);
+    std::vector<float> pooled(q.size());
+    check(kernels::cpu::snapkv_pool_split(q.data(), Hq, T, T - eff.window, eff, pooled.data()), "SnapKV pooling");
     q.swap(pooled);
   }
   return snap_.emplace(key, reduce(q)).first->second;
-}
-
-void snapkv_pool_split(const std::vector<float>& sums, int heads, int len, int edge, const kernels::SnapKVParams& p,
-                       std::vector<float>& out) {
-  out.assign(sums.size(), 0.0f);
-  std::vector<float> in, pooled;
-  for (const auto& [begin, end] : {std::pair<int, int>{0, edge}, std::pair<int, int>{edge, len}}) {
-    const int n = end - begin;
-    if (n <= 0) continue;
-    in.resize(static_cast<std::size_t>(heads) * static_cast<std::size_t>(n));
-    pooled.resize(in.size());
-    for (int h = 0; h < heads; ++h)
-      std::copy_n(&sums[static_cast<std::size_t>(h) * len + begin], n, &in[static_cast<std::size_t>(h) * n]);
-    check(kernels::cpu::snapkv_pool(in.data(), heads, n, p, pooled.data()), "SnapKV pooling");
-    for (int h = 0; h < heads; ++h)
-      std::copy_n(&pooled[static_cast<std::size_t>(h) * n], n, &out[static_cast<std::size_t>(h) * len + begin]);
-  }
 }
 
 const std::vector<float>& LayerData::tova() {

@@ -2,6 +2,7 @@
 // Tq != Tk, explicit positions, all dtypes) plus property and argument tests.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -282,6 +283,46 @@ TEST(AttentionStats, PrefillSumsAndWindowSumsMatchTheSeparateKernels) {
   kk::SnapKVParams even;
   even.kernel_size = 4;
   EXPECT_FALSE(kc::snapkv_pool(x.data(), c.hq, c.tk, even, x.data()).ok());
+}
+
+// snapkv_pool_split against a direct double-precision reading of its definition: each key pools the
+// taps of its own side of the edge (avg: out-of-side taps count 0, divisor the kernel size; max: they
+// are skipped); edge 0 and len are snapkv_pool; edges outside 0..len are refused.
+TEST(AttentionStats, SnapKVPoolSplitPoolsEachSideOfTheEdge) {
+  const int heads = 3, len = 23;
+  std::vector<float> sums(static_cast<std::size_t>(heads) * len);
+  for (std::size_t i = 0; i < sums.size(); ++i) sums[i] = static_cast<float>((i * 37) % 11) * 0.25f - 0.5f;
+  for (kk::PoolKind pool : {kk::PoolKind::kAvg, kk::PoolKind::kMax}) {
+    for (int k : {1, 5, 7}) {
+      kk::SnapKVParams sp;
+      sp.kernel_size = k;
+      sp.pool = pool;
+      for (int edge : {0, 1, 2, 9, 21, 22, 23}) {
+        std::vector<float> got(sums.size()), whole(sums.size());
+        ASSERT_TRUE(kc::snapkv_pool_split(sums.data(), heads, len, edge, sp, got.data()).ok());
+        for (int h = 0; h < heads; ++h) {
+          for (int t = 0; t < len; ++t) {
+            const int begin = t < edge ? 0 : edge, end = t < edge ? edge : len;
+            double want = pool == kk::PoolKind::kAvg ? 0.0 : -1e30;
+            for (int u = t - k / 2; u <= t + k / 2; ++u) {
+              if (u < begin || u >= end) continue;
+              const double x = sums[static_cast<std::size_t>(h) * len + u];
+              want = pool == kk::PoolKind::kAvg ? want + x / k : std::max(want, x);
+            }
+            EXPECT_NEAR(got[static_cast<std::size_t>(h) * len + t], want, 1e-6)
+                << "pool " << int(pool) << " kernel " << k << " edge " << edge << " head " << h << " key " << t;
+          }
+        }
+        if (edge == 0 || edge == len) {
+          ASSERT_TRUE(kc::snapkv_pool(sums.data(), heads, len, sp, whole.data()).ok());
+          EXPECT_EQ(got, whole) << "edge " << edge;
+        }
+      }
+    }
+  }
+  std::vector<float> out(sums.size());
+  EXPECT_FALSE(kc::snapkv_pool_split(sums.data(), heads, len, -1, kk::SnapKVParams{}, out.data()).ok());
+  EXPECT_FALSE(kc::snapkv_pool_split(sums.data(), heads, len, len + 1, kk::SnapKVParams{}, out.data()).ok());
 }
 
 TEST(AttentionStats, RejectsBadArguments) {

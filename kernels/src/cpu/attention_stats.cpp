@@ -358,11 +358,18 @@ Status snapkv_window_sums(const AttentionProblem& a, int window, float* sums) {
 }
 
 Status snapkv_pool(const float* sums, int heads, int len, const SnapKVParams& params, float* out) {
+  return snapkv_pool_split(sums, heads, len, len, params, out);
+}
+
+Status snapkv_pool_split(const float* sums, int heads, int len, int edge, const SnapKVParams& params, float* out) {
   if (sums == nullptr || out == nullptr) return Status::Invalid("snapkv_pool: sums or out is null");
   if (heads <= 0 || len <= 0) return Status::Invalid("snapkv_pool: heads and len must be positive");
   if (params.kernel_size <= 0 || params.kernel_size % 2 == 0) {
     return Status::Invalid("snapkv_pool: kernel_size " + std::to_string(params.kernel_size) +
                            " must be odd and positive");
+  }
+  if (edge < 0 || edge > len) {
+    return Status::Invalid("snapkv_pool_split: edge " + std::to_string(edge) + " outside 0.." + std::to_string(len));
   }
   const int Tk = len;
   const int r = params.kernel_size / 2;
@@ -373,7 +380,7 @@ Status snapkv_pool(const float* sums, int heads, int len, const SnapKVParams& pa
   for (std::ptrdiff_t e = 0; e < static_cast<std::ptrdiff_t>(heads) * Tk; ++e) {
     const int t = static_cast<int>(e % Tk);
     const float* row = sums + (e - t);
-    const int lo = std::max(0, t - r), hi = std::min(Tk - 1, t + r);
+    const int lo = std::max(t < edge ? 0 : edge, t - r), hi = std::min((t < edge ? edge : Tk) - 1, t + r);
     float v = avg ? 0.0f : row[lo];
     for (int u = lo; u <= hi; ++u) v = avg ? v + row[u] : std::max(v, row[u]);
     out[e] = avg ? v * inv_k : v;

@@ -99,6 +99,11 @@ Status snapkv_scores(const AttentionProblem& a, const SnapKVParams& params, floa
 // ([heads, len] -> [heads, len]) exactly as snapkv_scores pools them (params.window is not read).
 Status snapkv_window_sums(const AttentionProblem& a, int window, float* sums);
 Status snapkv_pool(const float* sums, int heads, int len, const SnapKVParams& params, float* out);
+// snapkv_pool on each side of `edge` separately (0 <= edge <= len): keys t < edge pool only keys < edge,
+// keys t >= edge only keys >= edge, the taps beyond a segment's end treated as beyond the row's (kvpress
+// 0.5.5 SnapKVPress pools the keys before its observation window on their own, the window's keys are
+// forced). edge = 0 or len is snapkv_pool.
+Status snapkv_pool_split(const float* sums, int heads, int len, int edge, const SnapKVParams& params, float* out);
 
 // TOVA: attention row of the last query, out[j, t] = p_j(q_len - 1, t).
 // out: [num_q_heads, k_len] float.

@@ -88,12 +88,6 @@ struct TraceContext {
 // <= 2^124 (docs/robustness.md, "Edge traces and numerical range in kvsim").
 double kernels_value_limit(int tokens, int head_dim);
 
-// Pools the rows of sums [heads, len] as kernels::cpu::snapkv_pool does, but the keys [0, edge) and
-// [edge, len) each on their own: a tap across the edge counts as 0 (avg; the divisor stays the
-// kernel size) or is skipped (max), as at the ends of a row (snapkv's snap_pool_span = split).
-void snapkv_pool_split(const std::vector<float>& sums, int heads, int len, int edge, const kernels::SnapKVParams& p,
-                       std::vector<float>& out);
-
 // Whether a point's slots can come from per-token codes shared across points (LayerData::token_codes):
 // prefill mode, K and V both quantized per token, and the slots its kept tokens (no merging executor, no
 // head merge). LayerData::prepare_token_codes counts exactly these points as users and policy execution

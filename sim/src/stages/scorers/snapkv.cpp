@@ -5,6 +5,7 @@
 // edge), as kvpress 0.5.5's SnapKVPress pools only the keys before its window.
 #include "../../exec_util.hpp"
 #include "../stage.hpp"
+#include "kvscope/kernels/attention_stats.hpp"
 
 namespace kvscope::sim::stages {
 namespace {
@@ -53,7 +54,9 @@ class Window final : public DecodeScoring {
       // steps (ids T + s - wlen + 1 .. T + s).
       const std::int32_t first = T_ + s.step - wlen + 1;
       const int edge = static_cast<int>(std::lower_bound(s.tokens.begin(), s.tokens.end(), first) - s.tokens.begin());
-      snapkv_pool_split(stat_, G, K, edge, params_, sums_);
+      sums_.resize(stat_.size());
+      detail::check(kernels::cpu::snapkv_pool_split(stat_.data(), G, K, edge, params_, sums_.data()),
+                    "SnapKV pooling");
       stat_.swap(sums_);
     }
     out.assign(static_cast<std::size_t>(K), 0.0f);
