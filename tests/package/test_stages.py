@@ -2,6 +2,7 @@
 allocators; the registry listings; errors."""
 
 import os
+import sys
 import unittest
 
 import numpy as np
@@ -13,18 +14,14 @@ import kvscope.stages as st
 import kvscope.trace as kt
 from common import FINE, SYNTH, TWO, kvsim_csv, scratch
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+from causal_softmax import causal_attention  # noqa: E402  (tests/python: the tests' one causal softmax)
+
 
 def h2o_scores(layer: st.Layer) -> np.ndarray:
     """H2O (Zhang et al. 2023): attention each token received from every prefill query, causal by position,
     summed over the query heads of its kv head."""
-    q = layer.q.astype(np.float64)
-    k = np.repeat(layer.k.astype(np.float64), layer.group_size, axis=0)  # kv head of each query head
-    logits = q @ k.transpose(0, 2, 1) / np.sqrt(layer.head_dim)  # [Hq, T, T]
-    visible = layer.position[None, :] <= layer.position[:, None]  # key t visible to query i
-    logits = np.where(visible, logits, -np.inf)
-    p = np.exp(logits - logits.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
-    per_q_head = p.sum(axis=1)  # [Hq, T]
+    per_q_head = causal_attention(layer).sum(axis=1)  # [Hq, T]
     return per_q_head.reshape(layer.num_kv_heads, layer.group_size, layer.T).sum(axis=1)
 
 
