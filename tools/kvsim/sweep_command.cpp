@@ -130,8 +130,7 @@ int run_sweep_command(const std::string& command, const std::vector<std::string>
       "kernels to run on: cpu, cuda (exit 2 without a CUDA build or GPU), or auto (the CPU: on an H200 the "
       "CUDA backend, which copies every call's inputs and evaluates one decode step of one head per call, "
       "measured slower than the CPU's batched evaluation, docs/perf.md); the choice is printed in the "
-      "summary "
-      "on stdout")(
+      "summary on stdout")(
       "question-in-context",
       "traces with roles (kvcap run --task): move the decode steps before the first answer step (the "
       "question "
