@@ -121,7 +121,8 @@ if len(sys.argv) > 7:  # sample I's rows against its single-trace CSV
     both = one.merge(mine, on=key, suffixes=("_csv", "_h5"))
     check(len(both) == len(one) == len(mine), f"sample {i}: {len(one)} CSV rows, {len(mine)} rows, {len(both)} matched")
     proxies = ["error_worst_query", "error_worst_head", "error_retrieval", "concentration", "error_propagated",
-               "topk_recall", "topk_recall_min", "topk_recall_retrieval", "topk_mass"]
+               "topk_recall", "topk_recall_min", "topk_recall_retrieval", "topk_mass", "specific_recall",
+               "specific_recall_min"]
     cols = [c for c in one.columns if c + "_h5" in both.columns and c not in key]
     check(set(proxies) <= set(cols) and {"output_error", "flags", "bytes_kept"} <= set(cols), f"columns {cols}")
     for c in cols:
