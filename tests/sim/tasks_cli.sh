@@ -16,12 +16,12 @@ bad() { echo "FAIL $*"; fail=1; }
 if [[ $mode == cli ]]; then
 
 "$kvcap" tasks --help >"$dir/help.out" 2>&1 && grep -q -- "--length" "$dir/help.out" &&
-  grep -q "passkey, needle, multikey, vartrack" "$dir/help.out" && ok "tasks help" || bad "tasks help"
+  grep -q "passkey, needle, multikey, vartrack, varupdate" "$dir/help.out" && ok "tasks help" || bad "tasks help"
 "$kvcap" eval --help >"$dir/ehelp.out" 2>&1 && grep -q -- "--task" "$dir/ehelp.out" &&
   grep -q -- "--per-point-prefill" "$dir/ehelp.out" && ok "eval help" || bad "eval help"
 
 "$kvcap" tasks --suite >"$dir/suite.out" 2>&1 && grep -qx "passkey 512" "$dir/suite.out" &&
-  ! grep -vqE "^(passkey|needle|multikey|vartrack) [0-9]+$" "$dir/suite.out" && ok "tasks suite" ||
+  ! grep -vqE "^(passkey|needle|multikey|vartrack|varupdate) [0-9]+$" "$dir/suite.out" && ok "tasks suite" ||
   bad "tasks suite: $(cat "$dir/suite.out")"
 
 "$kvcap" tasks --task multikey --length 1024 --samples 5 --seed 9 -o "$dir/a.jsonl" &&
@@ -52,8 +52,8 @@ refuse() {
     bad "refused '$want': rc $rc, stderr: $(cat "$dir/r.stderr")"
   fi
 }
-refuse "$kvcap" tasks --task nope -o "$dir/refused.out" "unknown task 'nope' (valid: passkey, needle, multikey, vartrack)"
-refuse "$kvcap" tasks -o "$dir/refused.out" "missing --task (valid: passkey, needle, multikey, vartrack)"
+refuse "$kvcap" tasks --task nope -o "$dir/refused.out" "unknown task 'nope' (valid: passkey, needle, multikey, vartrack, varupdate)"
+refuse "$kvcap" tasks -o "$dir/refused.out" "missing --task (valid: passkey, needle, multikey, vartrack, varupdate)"
 refuse "$kvcap" tasks --task passkey --length 100 -o "$dir/refused.out" "out of range (512 .. 4096 tokens)"
 refuse "$kvcap" tasks --task passkey --length 8192 -o "$dir/refused.out" "out of range (512 .. 4096 tokens)"
 refuse "$kvcap" tasks --task passkey --samples 0 -o "$dir/refused.out" "samples must be >= 1"

@@ -140,6 +140,19 @@ TEST_F(Tasks, TaskStructure) {
     ASSERT_NE(at, std::string::npos);
     EXPECT_LT(at, static_cast<std::size_t>(m.position(0))) << "the value is defined before the alias";
   }
+  for (const auto& s : make_task_samples("varupdate", 512, 10, 1, licenses(), approx_token_count)) {
+    std::smatch first, change;
+    ASSERT_TRUE(
+        std::regex_search(s.user, first, std::regex("The value of variable ([A-Za-z]+) is ([0-9]{5})\\.")));
+    ASSERT_TRUE(std::regex_search(
+        s.user, change, std::regex("Then the value of variable ([A-Za-z]+) is changed to ([0-9]{5})\\.")));
+    EXPECT_EQ(first[1].str(), change[1].str()) << "one variable, changed";
+    EXPECT_EQ(change[2].str(), s.answer) << "the answer is the value after the change";
+    EXPECT_NE(first[2].str(), s.answer);
+    EXPECT_LT(first.position(0), change.position(0)) << "the first value comes before the change";
+    EXPECT_EQ(s.answer_prefix, "The value of variable " + first[1].str() + " is now");
+    EXPECT_NE(s.user.find("What is the value of variable " + first[1].str() + " now?"), std::string::npos);
+  }
 }
 
 TEST_F(Tasks, LengthsWithinThreePercentBelowTheRequest) {
@@ -163,7 +176,7 @@ TEST_F(Tasks, BadInput) {
   const std::string unknown =
       error_of([] { make_task_samples("nope", 1024, 1, 1, licenses(), approx_token_count); });
   EXPECT_NE(unknown.find("unknown task 'nope'"), std::string::npos) << unknown;
-  EXPECT_NE(unknown.find("passkey, needle, multikey, vartrack"), std::string::npos) << unknown;
+  EXPECT_NE(unknown.find("passkey, needle, multikey, vartrack, varupdate"), std::string::npos) << unknown;
   for (int bad : {0, 511, 4097, 100000}) {
     const std::string e =
         error_of([&] { make_task_samples("passkey", bad, 1, 1, licenses(), approx_token_count); });

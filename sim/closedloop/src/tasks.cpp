@@ -134,6 +134,20 @@ Instance draw_instance(const std::string& task, Rng& rng) {
     in.answer = numbers[asked];
     in.question = "What is the special number for the " + objects[asked] + "?";
     in.prefix = "The special number for the " + objects[asked] + " is";
+  } else if (task == "varupdate") {
+    const std::string var = rng.pick(kVariables);
+    in.answer = five_digits(rng);
+    std::string old;
+    do old = five_digits(rng);
+    while (old == in.answer);
+    const double d0 = rng.unit(), d1 = rng.unit();
+    in.intro = "The text below assigns values to variables. Find them and remember them.";
+    // The first value, then (deeper) the change: the answer is the value after the change.
+    in.facts.push_back({"The value of variable " + var + " is " + old + ".", std::min(d0, d1)});
+    in.facts.push_back(
+        {"Then the value of variable " + var + " is changed to " + in.answer + ".", std::max(d0, d1)});
+    in.question = "What is the value of variable " + var + " now?";
+    in.prefix = "The value of variable " + var + " is now";
   } else {  // vartrack
     std::vector<std::string> vars;
     while (vars.size() < 3) {

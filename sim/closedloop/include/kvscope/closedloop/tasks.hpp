@@ -10,6 +10,8 @@
 //   multikey  four "The special number for the <object> is NNNNN." facts; one object is asked
 //   vartrack  "The value of variable A is NNNNN." ... later "Variable B has the same value as variable A."
 //             plus one distractor variable; asked B (two hops)
+//   varupdate "The value of variable A is NNNNN." ... later "Then the value of variable A is changed to
+//             MMMMM."; asked A's value now (state tracking: the first value is the distractor)
 // Each prompt ends with the question; the assistant turn is pre-filled with `answer_prefix` ("The pass key
 // is") so the first generated tokens are the answer.
 #pragma once
@@ -29,9 +31,9 @@ class TaskError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-constexpr std::array<const char*, 4> kTaskNames = {"passkey", "needle", "multikey", "vartrack"};
+constexpr std::array<const char*, 5> kTaskNames = {"passkey", "needle", "multikey", "vartrack", "varupdate"};
 constexpr int kMinTaskLength = 512, kMaxTaskLength = 4096;
-// "passkey, needle, multikey, vartrack"
+// "passkey, needle, multikey, vartrack, varupdate"
 std::string task_names_list();
 
 // A task at a prompt length (tokens of the user message).
