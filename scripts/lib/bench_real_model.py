@@ -135,13 +135,14 @@ def main():
         sys.exit(f"bench-real-model: the license texts give {len(ids)} tokens, fewer than {max(lengths)}")
     log(f"{len(ids)} prose tokens; loading HF {model_dir} (float32), {a.threads} threads")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    hf_run(model, torch, ids[:64], 2)  # warm-up
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         ids_file = os.path.join(tmp, "ids.txt")
         with open(ids_file, "w") as f:
             f.write(" ".join(map(str, ids)) + "\n")
         for n in lengths:
+            log(f"T = {n}: untimed HF warm-up at this length")
+            hf_run(model, torch, ids[:n], 2)  # ours warms up the same way in each process (--warmup)
             for r in range(a.repeat):
                 log(f"T = {n}, run {r + 1}/{a.repeat}: sgemm ceilings")
                 ceil = {"openblas": openblas_sgemm_ceiling(runner, a.threads), "torch": torch_sgemm_ceiling(torch)}

@@ -51,7 +51,8 @@ constexpr const char* kUsage =
     "  --device cpu|cuda    the backend (default cpu); cuda needs a CUDA build and a GPU, and reports no\n"
     "                       phases_s (its kernels run asynchronously)\n"
     "  --threads N          OpenMP threads (default: all cores)\n"
-    "  --warmup             an untimed 64-token prefill and 2 decode steps first\n"
+    "  --warmup             an untimed prefill of the whole prompt and 2 decode steps first (the work\n"
+    "                       buffers and the allocator reach their steady state, as in a second request)\n"
     "  --no-phases          no per-phase timing (no observer)\n"
     "  --help               this text\n"
     "JSON fields: tokens, prefill_s, prefill_tok_s, prefill_flop (multiply-add = 2: the projections of "
@@ -297,7 +298,7 @@ int main(int argc, char** argv) {
       runner::ForwardRequest req;
       req.x = x.data();
       req.tokens = prompt.tokens.data();
-      req.num_tokens = std::min(t, 64);
+      req.num_tokens = t;
       model->backend().forward(req, cache, nullptr, logits);
       for (int s = 0; s < 2; ++s) {
         runner::TokenInfo tok = prompt.tokens[static_cast<std::size_t>(s)];

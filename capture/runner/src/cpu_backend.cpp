@@ -37,13 +37,20 @@ constexpr long kMinParallelFlops = 1L << 21;  // below this a fork/join costs mo
 
 using kernels::exp_fast;
 
-// 8 floats at a time, for the row loops and the micro-kernels of the prefill's attention below (no BLAS:
-// their summation order is fixed by this code, so the result is the same whatever the BLAS kernel). Blocks
-// of kMr rows x kNr columns stay in registers (6 x 16 floats: 12 AVX2 registers, the rest for the
-// operands); GCC/Clang contract `acc += a * b` into FMAs where the target has them.
+// 8 floats at a time for the row loops; 16 (one AVX-512 register, or two AVX2 ones) for the micro-kernels
+// of the prefill's attention below (no BLAS: their summation order is fixed by this code, so the result is
+// the same whatever the BLAS kernel, and the same for any kMr: every output lane is its own dot product in
+// a fixed order). Blocks of kMr rows x kNr columns stay in registers: 12 x 16 floats in 12 of AVX-512's 32
+// registers, 6 x 16 in 12 of AVX2's 16; GCC/Clang contract `acc += a * b` into FMAs where the target has
+// them.
 using V8 = kernels::Float8;
-constexpr int kMr = 6;   // rows of a register block
-constexpr int kNr = 16;  // columns of a register block (two V8)
+using V16 = float __attribute__((vector_size(16 * sizeof(float))));
+#if defined(__AVX512F__)
+constexpr int kMr = 12;  // rows of a register block
+#else
+constexpr int kMr = 6;
+#endif
+constexpr int kNr = 16;  // columns of a register block (one V16)
 
 inline V8 load8(const float* p) {
   V8 v;
@@ -51,7 +58,12 @@ inline V8 load8(const float* p) {
   return v;
 }
 inline void store8(float* p, V8 v) { std::memcpy(p, &v, sizeof(V8)); }
-inline V8 splat8(float x) { return V8{x, x, x, x, x, x, x, x}; }
+inline V16 load16(const float* p) {
+  V16 v;
+  std::memcpy(&v, p, sizeof(V16));
+  return v;
+}
+inline void store16(float* p, V16 v) { std::memcpy(p, &v, sizeof(V16)); }
 
 constexpr int kLanes = 16;  // partial maxima / sums of the vectorised row loops
 
@@ -123,19 +135,12 @@ void scores_block(const float* __restrict q, int dh, const float* __restrict kt,
                   float* __restrict s, int lds) {
   for (int p = 0; p < panels; ++p) {
     const float* b = kt + static_cast<std::size_t>(p) * dh * kNr;
-    V8 acc[MR][2] = {};
+    V16 acc[MR] = {};
     for (int e = 0; e < dh; ++e) {
-      const V8 b0 = load8(b + e * kNr), b1 = load8(b + e * kNr + 8);
-      for (int r = 0; r < MR; ++r) {
-        const V8 a = splat8(q[r * dh + e]);
-        acc[r][0] += a * b0;
-        acc[r][1] += a * b1;
-      }
+      const V16 be = load16(b + e * kNr);
+      for (int r = 0; r < MR; ++r) acc[r] += q[r * dh + e] * be;
     }
-    for (int r = 0; r < MR; ++r) {
-      store8(s + static_cast<std::size_t>(r) * lds + p * kNr, acc[r][0]);
-      store8(s + static_cast<std::size_t>(r) * lds + p * kNr + 8, acc[r][1]);
-    }
+    for (int r = 0; r < MR; ++r) store16(s + static_cast<std::size_t>(r) * lds + p * kNr, acc[r]);
   }
 }
 
@@ -144,53 +149,33 @@ template <int MR>
 void pv_block(const float* __restrict p, int ldp, const float* __restrict v, int kc, int dh,
               float* __restrict o) {
   for (int c0 = 0; c0 < dh; c0 += kNr) {
-    V8 acc[MR][2];
-    for (int r = 0; r < MR; ++r) {
-      acc[r][0] = load8(o + r * dh + c0);
-      acc[r][1] = load8(o + r * dh + c0 + 8);
-    }
+    V16 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = load16(o + r * dh + c0);
     for (int j = 0; j < kc; ++j) {
-      const V8 b0 = load8(v + static_cast<std::size_t>(j) * dh + c0),
-               b1 = load8(v + static_cast<std::size_t>(j) * dh + c0 + 8);
-      for (int r = 0; r < MR; ++r) {
-        const V8 a = splat8(p[static_cast<std::size_t>(r) * ldp + j]);
-        acc[r][0] += a * b0;
-        acc[r][1] += a * b1;
-      }
+      const V16 bj = load16(v + static_cast<std::size_t>(j) * dh + c0);
+      for (int r = 0; r < MR; ++r) acc[r] += p[static_cast<std::size_t>(r) * ldp + j] * bj;
     }
-    for (int r = 0; r < MR; ++r) {
-      store8(o + r * dh + c0, acc[r][0]);
-      store8(o + r * dh + c0 + 8, acc[r][1]);
-    }
+    for (int r = 0; r < MR; ++r) store16(o + r * dh + c0, acc[r]);
   }
 }
 
 // Calls f(std::integral_constant<int, MR>{}, r) for the register blocks of `rows` rows: blocks of kMr rows
 // starting at r = 0, kMr, ..., then one narrower block for the rest.
+template <int MR, class F>
+void row_block_rest(int rest, int r, F& f) {
+  if constexpr (MR > 0) {
+    if (rest == MR) {
+      f(std::integral_constant<int, MR>{}, r);
+    } else {
+      row_block_rest<MR - 1>(rest, r, f);
+    }
+  }
+}
 template <class F>
 void for_row_blocks(int rows, F&& f) {
-  static_assert(kMr == 6, "the remainder cases below");
   int r = 0;
   for (; r + kMr <= rows; r += kMr) f(std::integral_constant<int, kMr>{}, r);
-  switch (rows - r) {
-    case 5:
-      f(std::integral_constant<int, 5>{}, r);
-      break;
-    case 4:
-      f(std::integral_constant<int, 4>{}, r);
-      break;
-    case 3:
-      f(std::integral_constant<int, 3>{}, r);
-      break;
-    case 2:
-      f(std::integral_constant<int, 2>{}, r);
-      break;
-    case 1:
-      f(std::integral_constant<int, 1>{}, r);
-      break;
-    default:
-      break;
-  }
+  row_block_rest<kMr - 1>(rows - r, r, f);
 }
 
 // The two products over `rows` rows, in register blocks.

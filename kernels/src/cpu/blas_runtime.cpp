@@ -2,11 +2,15 @@
 
 #include <cblas.h>
 #include <unistd.h>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -39,6 +43,12 @@ double measure_sgemm_flops_per_s(int threads, int n, int reps) {
 }
 
 void use_fast_blas_runtime(char** argv, const BlasRuntimeOptions& options) {
+#if defined(__GLIBC__)
+  if (options.keep_freed_memory) {        // before the early return: a re-executed process sets it again
+    mallopt(M_MMAP_THRESHOLD, 32 << 20);  // glibc's largest (HEAP_MAX_SIZE / 2 on 64-bit)
+    mallopt(M_TRIM_THRESHOLD, std::numeric_limits<int>::max());
+  }
+#endif
   if (std::getenv("KVSCOPE_ENV_SET") != nullptr) return;
   bool changed = false;
   if (options.passive_omp_wait && std::getenv("OMP_WAIT_POLICY") == nullptr) {

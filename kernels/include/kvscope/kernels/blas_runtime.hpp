@@ -8,6 +8,13 @@ struct BlasRuntimeOptions {
   // Set OMP_WAIT_POLICY=PASSIVE unless the user set it: idle OpenMP threads sleep instead of
   // spinning (programs with many short parallel regions, where spinning threads steal cores).
   bool passive_omp_wait = true;
+  // Keep freed memory in the process (glibc malloc: blocks up to 32 MiB from the heap, the heap never
+  // trimmed), so a request reuses the pages an earlier one touched instead of faulting in fresh zeroed
+  // ones: a KV cache and the runner's work buffers are freed and allocated again for every sample. On the
+  // development VM the first timed 1K-token prefill after a warm-up spent 1.19 s in attention without it,
+  // 0.52 s with it (docs/perf.md "Real model: runner vs Hugging Face"). The process's memory stays at its
+  // peak.
+  bool keep_freed_memory = true;
   // Program name for a one-line note on stderr when the OpenBLAS core is changed; nullptr = silent.
   const char* announce_as = nullptr;
 };
