@@ -14,6 +14,7 @@
 #include "kvscope/cli/progress.hpp"
 #include "kvscope/closedloop/evaluate.hpp"
 #include "kvscope/closedloop/report.hpp"
+#include "kvscope/kernels/blas_runtime.hpp"
 #include "kvscope/runner/chat_template.hpp"
 #include "kvscope/runner/error.hpp"
 #include "kvscope/runner/tokenizer.hpp"
@@ -106,6 +107,7 @@ po::options_description make_options() {
 }  // namespace
 
 int eval_command(const std::vector<std::string>& args) {
+  kernels::keep_freed_memory();  // the decoder's buffers and KV caches, sample after sample
   const po::options_description opts = make_options();
   po::variables_map vm;
   const std::string examples =

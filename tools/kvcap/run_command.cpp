@@ -15,6 +15,7 @@
 #include "kvscope/cli/options.hpp"
 #include "kvscope/cli/progress.hpp"
 #include "kvscope/closedloop/evaluate.hpp"
+#include "kvscope/kernels/blas_runtime.hpp"
 #include "kvscope/kernels/common.hpp"
 #include "kvscope/runner/error.hpp"
 #include "kvscope/runner/model.hpp"
@@ -399,6 +400,7 @@ std::string seed_text(const std::vector<std::uint64_t>& seeds, char sep) {
 }  // namespace
 
 int run_command(const std::vector<std::string>& args) {
+  kernels::keep_freed_memory();  // the decoder's buffers, request after request
   const po::options_description opts = make_options();
   po::variables_map vm;
   if (const auto exit = parse_options("kvcap run", args, opts, vm, kExamples)) return *exit;

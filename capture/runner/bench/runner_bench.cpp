@@ -188,6 +188,7 @@ int argmax(const std::vector<float>& v) {
 
 int main(int argc, char** argv) {
   kernels::use_fast_blas_runtime(argv);
+  kernels::keep_freed_memory();
   std::string model_dir, ids_file, synthetic, device_name = "cpu";
   int tokens = -1, decode = 32, repeat = 1, threads = 0;
   bool phases = true, warmup = false, ceiling = false;

@@ -42,13 +42,14 @@ double measure_sgemm_flops_per_s(int threads, int n, int reps) {
   return best;
 }
 
-void use_fast_blas_runtime(char** argv, const BlasRuntimeOptions& options) {
+void keep_freed_memory() {
 #if defined(__GLIBC__)
-  if (options.keep_freed_memory) {        // before the early return: a re-executed process sets it again
-    mallopt(M_MMAP_THRESHOLD, 32 << 20);  // glibc's largest (HEAP_MAX_SIZE / 2 on 64-bit)
-    mallopt(M_TRIM_THRESHOLD, std::numeric_limits<int>::max());
-  }
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);  // glibc's largest (HEAP_MAX_SIZE / 2 on 64-bit)
+  mallopt(M_TRIM_THRESHOLD, std::numeric_limits<int>::max());
 #endif
+}
+
+void use_fast_blas_runtime(char** argv, const BlasRuntimeOptions& options) {
   if (std::getenv("KVSCOPE_ENV_SET") != nullptr) return;
   bool changed = false;
   if (options.passive_omp_wait && std::getenv("OMP_WAIT_POLICY") == nullptr) {

@@ -1,5 +1,6 @@
 // Process settings of the BLAS and OpenMP runtimes that are read when the libraries load, so a
-// program applies them by re-executing itself once, early in main().
+// program applies them by re-executing itself once, early in main(); and the allocator setting of the
+// programs that run the decoder.
 #pragma once
 
 namespace kvscope::kernels {
@@ -8,13 +9,6 @@ struct BlasRuntimeOptions {
   // Set OMP_WAIT_POLICY=PASSIVE unless the user set it: idle OpenMP threads sleep instead of
   // spinning (programs with many short parallel regions, where spinning threads steal cores).
   bool passive_omp_wait = true;
-  // Keep freed memory in the process (glibc malloc: blocks up to 32 MiB from the heap, the heap never
-  // trimmed), so a request reuses the pages an earlier one touched instead of faulting in fresh zeroed
-  // ones: a KV cache and the runner's work buffers are freed and allocated again for every sample. On the
-  // development VM the first timed 1K-token prefill after a warm-up spent 1.19 s in attention without it,
-  // 0.52 s with it (docs/perf.md "Real model: runner vs Hugging Face"). The process's memory stays at its
-  // peak.
-  bool keep_freed_memory = true;
   // Program name for a one-line note on stderr when the OpenBLAS core is changed; nullptr = silent.
   const char* announce_as = nullptr;
 };
@@ -43,5 +37,14 @@ void pin_blas_to_one_thread();
 // threads, best of `reps` after one untimed product; FLOP/s counting 2 n^3. Leaves OpenBLAS on `threads`
 // threads (pin_blas_to_one_thread() before the next product of a kvscope kernel).
 double measure_sgemm_flops_per_s(int threads, int n, int reps);
+
+// Keeps freed memory in the process (glibc malloc, a no-op elsewhere: blocks up to 32 MiB come from the
+// heap, which is never trimmed), so a request reuses the pages an earlier one touched instead of faulting
+// in fresh zeroed ones: the decoder frees and allocates its KV cache and work buffers again for every
+// request. On the development VM the first timed 1K-token prefill after a warm-up spent 1.19 s in
+// attention without it, 0.52 s with it (docs/perf.md "Real model: runner vs Hugging Face"). The process's
+// memory stays at its peak. For kvcap run / eval and kvrunner-bench; kvsim does the opposite
+// (cli::release_large_blocks_promptly).
+void keep_freed_memory();
 
 }  // namespace kvscope::kernels
