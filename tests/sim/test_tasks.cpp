@@ -223,6 +223,9 @@ TEST(TaskSuite, DefaultSuiteHoldsValidDistinctCombinations) {
   // 2048 (the misses describe "a five-digit number" instead of giving it).
   EXPECT_EQ(seen.count({"vartrack", 512}), 0u);
   EXPECT_EQ(seen.count({"passkey", 2048}), 0u);
+  // In: varupdate answers 84 % at 512 tokens and 92 % at 1024 (the misses give the value before the change).
+  EXPECT_EQ(seen.count({"varupdate", 512}), 1u);
+  EXPECT_EQ(seen.count({"varupdate", 1024}), 1u);
 }
 
 TEST(TaskMatch, AnswerMatches) {

@@ -44,14 +44,16 @@ struct TaskLength {
 // The default suite: the task/length combinations where the uncompressed SmolLM2-135M-Instruct answers at
 // least 80 % of 100 samples (seed 0, kvcap eval --policies full; docs/tasks.md has the measured table).
 // `kvcap tasks --suite` lists it.
-constexpr std::array<TaskLength, 8> kDefaultSuite = {{{"passkey", 512},
-                                                      {"needle", 512},
-                                                      {"multikey", 512},
-                                                      {"passkey", 1024},
-                                                      {"needle", 1024},
-                                                      {"multikey", 1024},
-                                                      {"needle", 2048},
-                                                      {"multikey", 2048}}};
+constexpr std::array<TaskLength, 10> kDefaultSuite = {{{"passkey", 512},
+                                                       {"needle", 512},
+                                                       {"multikey", 512},
+                                                       {"varupdate", 512},
+                                                       {"passkey", 1024},
+                                                       {"needle", 1024},
+                                                       {"multikey", 1024},
+                                                       {"varupdate", 1024},
+                                                       {"needle", 2048},
+                                                       {"multikey", 2048}}};
 // Throws TaskError "unknown task 'x' (valid: ...)" unless `name` is one of kTaskNames.
 void check_task_name(const std::string& name);
 
