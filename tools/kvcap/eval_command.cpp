@@ -14,6 +14,7 @@
 #include "kvscope/cli/progress.hpp"
 #include "kvscope/closedloop/evaluate.hpp"
 #include "kvscope/closedloop/report.hpp"
+#include "kvscope/closedloop/tasks.hpp"
 #include "kvscope/kernels/blas_runtime.hpp"
 #include "kvscope/runner/chat_template.hpp"
 #include "kvscope/runner/error.hpp"
@@ -70,7 +71,7 @@ po::options_description make_options() {
       "kvsim budget list: fractions, ranges a:b:step, NNtok, byte sizes (e.g. 0.1:0.5:0.1,64KiB)")(
       "samples", po::value<int>()->default_value(200), "held-out samples per point")(
       "task", po::value<std::string>(),
-      "text model: long-context task (passkey, needle, multikey, vartrack, varupdate; docs/tasks.md)")(
+      ("text model: long-context task (" + closedloop::task_names_list() + "; docs/tasks.md)").c_str())(
       "length", po::value<int>()->default_value(1024),
       "with --task: tokens of the user message (512 .. 4096)")(
       "haystack", po::value<std::vector<std::string>>(),

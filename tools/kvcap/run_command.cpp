@@ -15,6 +15,7 @@
 #include "kvscope/cli/options.hpp"
 #include "kvscope/cli/progress.hpp"
 #include "kvscope/closedloop/evaluate.hpp"
+#include "kvscope/closedloop/tasks.hpp"
 #include "kvscope/kernels/blas_runtime.hpp"
 #include "kvscope/kernels/common.hpp"
 #include "kvscope/runner/error.hpp"
@@ -211,7 +212,7 @@ po::options_description make_options() {
       "prompt-file", po::value<std::string>(), "text model: read the prompt text from this file (UTF-8)")(
       "chat", po::bool_switch(), "text model: render the prompt as a user message through the chat template")(
       "task", po::value<std::string>(),
-      "text model: a long-context task prompt (passkey, needle, multikey, vartrack, varupdate)")(
+      ("text model: a long-context task prompt (" + closedloop::task_names_list() + ")").c_str())(
       "length", po::value<int>()->default_value(1024),
       "with --task: tokens of the user message (512 .. 4096)")(
       "seed", po::value<unsigned long long>()->default_value(0), "with --task: the task generator's seed")(
