@@ -1,5 +1,5 @@
 """kvscope policies inside a Hugging Face model (kvscope.hf.apply_policy) against the C++ closed loop that
-`kvcap eval --task` runs, on the real SmolLM2-135M-Instruct and the tasks of the default suite (docs/tasks.md:
+`kvcap eval --task` runs, on the real SmolLM2-135M-Instruct and tasks of the default suite (docs/tasks.md:
 passkey, needle, multikey; at 512 tokens): for h2o, snapkv and streamingllm at budgets 0.2 and 0.5, and the
 decode-time policies h2o~decode at a 128-token cap and h2o~decode:4 (eviction every 4 steps) at 0.3, on the
 same samples, the token ids every layer's kv heads hold at the end are the same (up to one swapped

@@ -29,6 +29,11 @@ if [[ $mode == cli ]]; then
   "$kvcap" tasks --task multikey --length 1024 --samples 5 --seed 10 >"$dir/c.jsonl" &&
   cmp -s "$dir/a.jsonl" "$dir/b.jsonl" && ! cmp -s "$dir/a.jsonl" "$dir/c.jsonl" &&
   [[ $(wc -l <"$dir/a.jsonl") == 5 ]] && ok "tasks deterministic" || bad "tasks deterministic"
+# kvcap tasks defaults to kvcap eval's seed (0), so both build the same prompts without --seed.
+"$kvcap" tasks --task passkey --length 512 --samples 2 >"$dir/d.jsonl" &&
+  "$kvcap" tasks --task passkey --length 512 --samples 2 --seed 0 >"$dir/e.jsonl" &&
+  cmp -s "$dir/d.jsonl" "$dir/e.jsonl" && grep -q '"seed":0' "$dir/d.jsonl" &&
+  ok "tasks default seed 0" || bad "tasks default seed 0"
 "$python" - "$dir/a.jsonl" <<'PY' && ok "tasks json lines" || bad "tasks json lines"
 import json, sys
 for line in open(sys.argv[1]):

@@ -28,18 +28,19 @@ int tasks_command(const std::vector<std::string>& args) {
       "Writes long-context task prompts (docs/tasks.md) as JSON lines, one sample a line: task, length,\n"
       "seed, index, user (the user message), question, context_char and question_char (byte offsets in\n"
       "user where the haystack and the question start; docs/tasks.md \"Roles\"), answer_prefix (pre-filled\n"
-      "assistant text), answer, needle_char, needle_token, depth, tokens. Tasks: " +
+      "assistant text), answer, needle_char, needle_token, depth, tokens.\nTasks: " +
       closedloop::task_names_list() +
       ".\n"
       "Lengths count tokens of --model's tokenizer (tokenizer.json), else 4.8 bytes a token (approximate).\n"
-      "With --model the prompts are exactly those kvcap eval --task builds for that model.\n"
+      "With --model and the same --seed the prompts are exactly those kvcap eval --task runs on it.\n"
       "--suite lists the default suite instead, one 'task length' a line: the combinations where the\n"
       "uncompressed SmolLM2-135M-Instruct reaches >= 80 % over 100 samples (docs/tasks.md).\n\nOptions");
   opts.add_options()("help,h", "show this help")("task", po::value<std::string>(), "task name")(
       "suite", "list the default suite (task length per line) and exit")(
       "length", po::value<int>()->default_value(1024), "tokens of the user message (512 .. 4096)")(
       "samples", po::value<int>()->default_value(100), "number of samples")(
-      "seed", po::value<unsigned long long>()->default_value(1), "generator seed")(
+      "seed", po::value<unsigned long long>()->default_value(0),
+      "generator seed (the default of kvcap eval --task and kvcap run --task too)")(
       "haystack", po::value<std::vector<std::string>>(),
       "prose files or directories (repeatable; default /usr/share/common-licenses)")(
       "model", po::value<std::string>(), "model folder whose tokenizer counts the tokens")(
