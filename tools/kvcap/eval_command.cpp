@@ -69,7 +69,8 @@ po::options_description make_options() {
       "policies", po::value<std::string>(), "comma-separated kvsim policy names (presets, compositions a+b)")(
       "budgets", po::value<std::string>()->default_value("0.5"),
       "kvsim budget list: fractions, ranges a:b:step, NNtok, byte sizes (e.g. 0.1:0.5:0.1,64KiB)")(
-      "samples", po::value<int>()->default_value(200), "samples per point (heldout.json samples; with --task, task prompts)")(
+      "samples", po::value<int>()->default_value(200),
+      "samples per point (heldout.json samples; with --task, task prompts)")(
       "task", po::value<std::string>(),
       ("text model: long-context task (" + closedloop::task_names_list() + "; docs/tasks.md)").c_str())(
       "length", po::value<int>()->default_value(1024),
