@@ -10,7 +10,7 @@ import pandas as pd
 
 import kvscope.sim as ks
 import kvscope.trace as kt
-from common import FINE, SYNTH, kvsim_csv, scratch
+from common import FINE, SYNTH, assert_same_results, kvsim_csv, scratch
 
 
 class SimTest(unittest.TestCase):
@@ -19,20 +19,18 @@ class SimTest(unittest.TestCase):
         res = ks.sweep(FINE, pols.split(","), [0.2, 0.5])
         ref = kvsim_csv("sweep", "--trace", FINE, "--policies", pols, "--budgets", budgets)
         self.assertEqual(list(res.df.columns), list(ref.columns))
-        pd.testing.assert_frame_equal(res.df, ref)
+        assert_same_results(res.df, ref)
         # the bound and the allocation search rows are there, as in kvsim
         self.assertEqual(set(res.df["kind"]), {"policy", "bound", "search"})
         # a string list and kvsim's range syntax give the same points
         again = ks.sweep(kt.open(FINE), pols, "0.2:0.5:0.3", bound=False, alloc_search=None)
         self.assertEqual(set(again.df["kind"]), {"policy"})
-        pd.testing.assert_frame_equal(
-            again.df.reset_index(drop=True), ref[ref["kind"] == "policy"].reset_index(drop=True)
-        )
+        assert_same_results(again.df.reset_index(drop=True), ref[ref["kind"] == "policy"].reset_index(drop=True))
 
     def test_run_equals_kvsim_run(self):
         for policy, budget, text in [("snapkv", 0.3, "snapkv@0.3"), ("h2o~decode", "24tok", "h2o~decode@24tok")]:
             res = ks.run(SYNTH, policy, budget)
-            pd.testing.assert_frame_equal(res.df, kvsim_csv("run", "--trace", SYNTH, "--policy", text))
+            assert_same_results(res.df, kvsim_csv("run", "--trace", SYNTH, "--policy", text))
         self.assertEqual(ks.run(SYNTH, "knorm@0.4").df.shape, kvsim_csv("run", "--trace", SYNTH, "--policy", "knorm@0.4").shape)
         # a budget-free policy ignores a budget with a warning, as kvsim run
         res = ks.run(SYNTH, "int8", 0.5)

@@ -627,17 +627,32 @@ std::vector<PointStats> evaluate_shared(runner::Model& model, const std::vector<
   std::vector<Sums> sums(points.size());
   const auto& cfg = model.config();
   std::size_t done = 0;
+  // The first `full` point is the reference run itself (the uncompressed forwards, its hook observing):
+  // it is not decoded a second time.
+  std::size_t full_k = points.size();
+  for (std::size_t k = 0; k < points.size() && full_k == points.size(); ++k)
+    if (points[k].spec.name == "full") full_k = k;
   for (Reference& ref : refs) {
     const Prefill prefill = run_prefill(model, ref.prompt);
-    ref.run = run_from_prefill(model, ref.prompt, prefill, nullptr, max_new, nullptr, &ref.after_prefill);
+    std::unique_ptr<ClosedLoopHook> full_hook;
+    if (full_k < points.size())
+      full_hook = std::make_unique<ClosedLoopHook>(points[full_k].spec, points[full_k].budget_spec, cfg);
+    ref.run = run_from_prefill(model, ref.prompt, prefill, full_hook.get(), max_new, nullptr, &ref.after_prefill);
     ref.run.seconds += prefill.seconds;
     if (progress) progress(++done);
-    // `full` runs on its own, so that it reproduces the uncompressed run bit for bit (the same forwards);
-    // the other points in groups of `batch`.
+    if (full_hook) {
+      // The run is the reference, so the teacher-forced run add_sample asks for when they differ is never made.
+      add_sample(model, ref, *full_hook, ref.run, [] { return RunResult{}; }, stats[full_k], sums[full_k]);
+      stats[full_k].seconds += ref.run.seconds;
+      if (progress) progress(++done);
+    }
+    // Any other `full` point runs on its own, so that it reproduces the uncompressed run bit for bit (the
+    // same forwards); the other points in groups of `batch`.
     const std::size_t batch =
         max_batch > 0 ? static_cast<std::size_t>(max_batch) : default_batch(prefill.cache);
     std::vector<std::vector<std::size_t>> groups;
     for (std::size_t k = 0; k < points.size(); ++k) {
+      if (k == full_k) continue;
       if (points[k].spec.name == "full") {
         groups.push_back({k});
       } else {

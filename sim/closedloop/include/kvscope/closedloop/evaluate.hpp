@@ -157,9 +157,10 @@ PointStats evaluate_point(runner::Model& model, const EvalPoint& point, const st
                           int max_new, const std::function<void(int)>& progress = {});
 
 // Sample-outer evaluation: per sample ONE uncompressed prefill (run_prefill), from which the reference run
-// (filling refs[i].run) and every point's runs continue, up to `max_batch` points at a time (0: as many as
-// 4 GiB of uncompressed caches of the prompt hold; `full` alone, so that it reproduces the uncompressed run
-// bit for bit) decoded together: each run compressed by its own hook,
+// (filling refs[i].run) and every point's runs continue. The first `full` point is the reference run itself
+// (made with its hook, not decoded twice); the others go up to `max_batch` points at a time (0: as many as
+// 4 GiB of uncompressed caches of the prompt hold; another `full` alone, so that it reproduces the
+// uncompressed run bit for bit) decoded together: each run compressed by its own hook,
 // then every run's forward of a step batched into one (DecoderBackend::forward_batch), and a run that first
 // differs from the reference forked there into its teacher-forced run (prefill-mode policies; decode-time
 // policies run it anew). Results equal evaluate_point's per point up to the float rounding of the batched
