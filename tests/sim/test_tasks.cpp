@@ -220,12 +220,17 @@ TEST(TaskSuite, DefaultSuiteHoldsValidDistinctCombinations) {
     EXPECT_TRUE(seen.insert({tl.task, tl.length}).second) << tl.task << " " << tl.length << " twice";
   }
   // Out, as measured over 100 samples (docs/tasks.md): vartrack answers 40 % at 512 tokens, passkey 74 % at
-  // 2048 (the misses describe "a five-digit number" instead of giving it).
+  // 2048 and 48 % at 4096 (the misses describe "a five-digit number" instead of giving it), varupdate 71 % at
+  // 2048 and 67 % at 4096, multikey 78 % at 4096.
   EXPECT_EQ(seen.count({"vartrack", 512}), 0u);
   EXPECT_EQ(seen.count({"passkey", 2048}), 0u);
-  // In: varupdate answers 84 % at 512 tokens and 92 % at 1024 (the misses give the value before the change).
+  EXPECT_EQ(seen.count({"varupdate", 2048}), 0u);
+  for (const char* out : {"passkey", "multikey", "varupdate"}) EXPECT_EQ(seen.count({out, 4096}), 0u) << out;
+  // In: varupdate answers 84 % at 512 tokens and 92 % at 1024 (the misses give the value before the change),
+  // needle 93 % at 4096.
   EXPECT_EQ(seen.count({"varupdate", 512}), 1u);
   EXPECT_EQ(seen.count({"varupdate", 1024}), 1u);
+  EXPECT_EQ(seen.count({"needle", 4096}), 1u);
 }
 
 TEST(TaskMatch, AnswerMatches) {

@@ -44,7 +44,7 @@ struct TaskLength {
 // The default suite: the task/length combinations where the uncompressed SmolLM2-135M-Instruct answers at
 // least 80 % of 100 samples (seed 0, kvcap eval --policies full; docs/tasks.md has the measured table).
 // `kvcap tasks --suite` lists it.
-constexpr std::array<TaskLength, 10> kDefaultSuite = {{{"passkey", 512},
+constexpr std::array<TaskLength, 11> kDefaultSuite = {{{"passkey", 512},
                                                        {"needle", 512},
                                                        {"multikey", 512},
                                                        {"varupdate", 512},
@@ -53,7 +53,8 @@ constexpr std::array<TaskLength, 10> kDefaultSuite = {{{"passkey", 512},
                                                        {"multikey", 1024},
                                                        {"varupdate", 1024},
                                                        {"needle", 2048},
-                                                       {"multikey", 2048}}};
+                                                       {"multikey", 2048},
+                                                       {"needle", 4096}}};
 // Throws TaskError "unknown task 'x' (valid: ...)" unless `name` is one of kTaskNames.
 void check_task_name(const std::string& name);
 
