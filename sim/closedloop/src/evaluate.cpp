@@ -629,9 +629,9 @@ std::vector<PointStats> evaluate_shared(runner::Model& model, const std::vector<
   std::size_t done = 0;
   // The first `full` point is the reference run itself (the uncompressed forwards, its hook observing):
   // it is not decoded a second time.
-  std::size_t full_k = points.size();
-  for (std::size_t k = 0; k < points.size() && full_k == points.size(); ++k)
-    if (points[k].spec.name == "full") full_k = k;
+  const auto full_k = static_cast<std::size_t>(
+      std::find_if(points.begin(), points.end(), [](const EvalPoint& p) { return p.spec.name == "full"; }) -
+      points.begin());
   for (Reference& ref : refs) {
     const Prefill prefill = run_prefill(model, ref.prompt);
     std::unique_ptr<ClosedLoopHook> full_hook;
